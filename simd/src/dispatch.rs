@@ -1,0 +1,366 @@
+//! The kernel table: one set of function pointers per instruction-set level, chosen
+//! once per process.
+//!
+//! Every entry is an `unsafe fn` pointer. Two things make calling one sound, and
+//! [`Kernels`] guarantees both: it checks every length (and the formats' casts check
+//! alignment) before calling, and a table holding ISA-specific entries can only be built
+//! by [`Kernels::for_isa`] after the CPU was seen to support that ISA.
+
+use std::sync::OnceLock;
+
+use crate::formats::{self, float32};
+use crate::{ActivationType, WeightType};
+
+/// Dot of one weight row with one activation row. The row lengths have been checked
+/// to describe the same number of elements.
+pub(crate) type DotFn = unsafe fn(w_row: &[u8], act_row: &[u8]) -> f32;
+/// `out[r] = dot(w_rows[r*stride ..][.. row_len], act_row)` where `row_len` is the
+/// weight row length matching `act_row`; the caller has checked every row is in bounds.
+pub(crate) type DotRowsFn = unsafe fn(w_rows: &[u8], stride: usize, act_row: &[u8], out: &mut [f32]);
+/// Dequantize one row; `out` has the row's element count.
+pub(crate) type DequantFn = unsafe fn(row: &[u8], out: &mut [f32]);
+/// Quantize one activation row; `out` has the matching byte length.
+pub(crate) type QuantFn = unsafe fn(x: &[f32], out: &mut [u8]);
+
+/// The kernels of one weight format.
+#[derive(Clone, Copy)]
+pub(crate) struct WeightKernels {
+    pub(crate) dot: DotFn,
+    /// Several rows sharing activation loads; `None` loops over `dot`.
+    pub(crate) dot_rows: Option<DotRowsFn>,
+    pub(crate) dequantize: DequantFn,
+}
+
+/// Instruction-set level of a kernel table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Isa {
+    /// Portable Rust, auto-vectorized for the compile target.
+    Scalar,
+    /// x86-64 AVX2 with FMA and F16C.
+    Avx2,
+    /// x86-64 AVX-512 F/BW/VL with VNNI (plus AVX2, FMA, F16C).
+    Avx512,
+}
+
+impl Isa {
+    /// Every ISA, slowest first.
+    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+
+    /// The lowercase name used by `SIFT_ISA` and `--isa`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+
+    /// Whether this CPU (and OS) can run this ISA's kernels.
+    pub fn is_supported(self) -> bool {
+        match self {
+            Isa::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+                    && std::arch::is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                Isa::Avx2.is_supported()
+                    && std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
+                    && std::arch::is_x86_feature_detected!("avx512vl")
+                    && std::arch::is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            Isa::Avx2 | Isa::Avx512 => false,
+        }
+    }
+
+    /// The ISAs this CPU supports, slowest first (always starts with `Scalar`).
+    pub fn available() -> Vec<Isa> {
+        Isa::ALL.into_iter().filter(|i| i.is_supported()).collect()
+    }
+
+    /// The fastest supported ISA.
+    pub fn best() -> Isa {
+        *Isa::available().last().expect("scalar is always available")
+    }
+}
+
+impl core::fmt::Display for Isa {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An ISA name other than `scalar`, `avx2` or `avx512`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParseIsaError(pub String);
+
+impl core::fmt::Display for ParseIsaError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(f, "unknown ISA {:?} (expected scalar, avx2 or avx512)", self.0)
+    }
+}
+
+impl std::error::Error for ParseIsaError {}
+
+impl core::str::FromStr for Isa {
+    type Err = ParseIsaError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Isa::ALL
+            .into_iter()
+            .find(|i| i.name().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| ParseIsaError(s.to_owned()))
+    }
+}
+
+/// Why [`select_isa`] refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SelectIsaError {
+    /// This CPU cannot run the requested ISA.
+    Unsupported(Isa),
+    /// The table was already chosen, for another ISA.
+    AlreadySelected {
+        /// The ISA in use.
+        current: Isa,
+        /// The ISA asked for.
+        requested: Isa,
+    },
+}
+
+impl core::fmt::Display for SelectIsaError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            SelectIsaError::Unsupported(isa) => {
+                write!(f, "this CPU does not support the {isa} kernels")
+            }
+            SelectIsaError::AlreadySelected { current, requested } => {
+                write!(f, "cannot switch kernels to {requested}: {current} is already in use")
+            }
+        }
+    }
+}
+
+impl std::error::Error for SelectIsaError {}
+
+/// The kernel table for one ISA.
+#[derive(Clone, Copy)]
+pub struct Kernels {
+    isa: Isa,
+    weights: [WeightKernels; WeightType::ALL.len()],
+    quantize: [QuantFn; ActivationType::ALL.len()],
+}
+
+static KERNELS: OnceLock<Kernels> = OnceLock::new();
+
+/// The process-wide kernel table, chosen on first use: the ISA forced by
+/// [`select_isa`], else the one named by the `SIFT_ISA` environment variable
+/// (`scalar`, `avx2`, `avx512` or `auto`), else the best this CPU supports. An unknown
+/// or unsupported `SIFT_ISA` value falls back to the best ISA with a warning on stderr.
+pub fn kernels() -> &'static Kernels {
+    KERNELS.get_or_init(|| {
+        let isa = isa_from_env().unwrap_or_else(Isa::best);
+        Kernels::for_isa(isa).expect("chosen ISA is supported")
+    })
+}
+
+fn isa_from_env() -> Option<Isa> {
+    let value = std::env::var("SIFT_ISA").ok()?;
+    if value.trim().is_empty() || value.trim().eq_ignore_ascii_case("auto") {
+        return None;
+    }
+    match value.parse::<Isa>() {
+        Ok(isa) if isa.is_supported() => Some(isa),
+        Ok(isa) => {
+            eprintln!("sift: SIFT_ISA={isa} is not supported by this CPU; using {}", Isa::best());
+            None
+        }
+        Err(e) => {
+            eprintln!("sift: SIFT_ISA: {e}; using {}", Isa::best());
+            None
+        }
+    }
+}
+
+/// Forces the process-wide table to `isa`. Must be called before the first
+/// [`kernels()`] call (or with the ISA already in use).
+pub fn select_isa(isa: Isa) -> Result<(), SelectIsaError> {
+    let table = Kernels::for_isa(isa).ok_or(SelectIsaError::Unsupported(isa))?;
+    let current = KERNELS.get_or_init(|| table).isa;
+    if current == isa {
+        Ok(())
+    } else {
+        Err(SelectIsaError::AlreadySelected { current, requested: isa })
+    }
+}
+
+/// Plain dot/dequantize entries of one weight format's scalar code.
+macro_rules! scalar_entry {
+    ($module:ident) => {
+        WeightKernels {
+            dot: formats::$module::dot_bytes,
+            dot_rows: None,
+            dequantize: formats::$module::dequantize_bytes,
+        }
+    };
+}
+
+/// The portable table.
+const SCALAR: Kernels = Kernels {
+    isa: Isa::Scalar,
+    // Order of WeightType::ALL.
+    weights: [
+        scalar_entry!(float32),
+        scalar_entry!(float16),
+        scalar_entry!(bfloat16),
+        scalar_entry!(q4_0),
+        scalar_entry!(q4_1),
+        scalar_entry!(q5_0),
+        scalar_entry!(q5_1),
+        scalar_entry!(q8_0),
+        scalar_entry!(q4_k),
+        scalar_entry!(q5_k),
+        scalar_entry!(q6_k),
+    ],
+    // Order of ActivationType::ALL.
+    quantize: [
+        float32::quantize_bytes,
+        formats::q8_0::quantize_bytes,
+        formats::q8_1::quantize_bytes,
+        formats::q8_k::quantize_bytes,
+    ],
+};
+
+impl Kernels {
+    /// The table for `isa`, or `None` if this CPU cannot run it.
+    pub fn for_isa(isa: Isa) -> Option<Kernels> {
+        if !isa.is_supported() {
+            return None;
+        }
+        #[allow(unused_mut)]
+        let mut k = SCALAR;
+        k.isa = isa;
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: `isa.is_supported()` was checked above, which is what the x86
+            // entries require.
+            unsafe { crate::x86::register(&mut k, isa) };
+        }
+        Some(k)
+    }
+
+    /// The ISA this table was built for.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn set_weight(&mut self, w: WeightType, entry: WeightKernels) {
+        self.weights[w.index()] = entry;
+    }
+
+    pub(crate) fn weight(&self, w: WeightType) -> WeightKernels {
+        self.weights[w.index()]
+    }
+
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn set_quantize(&mut self, a: ActivationType, f: QuantFn) {
+        self.quantize[a.index()] = f;
+    }
+
+    /// Quantizes the f32 row `x` into `out` as activation type `ty` (for
+    /// [`ActivationType::F32`], copies the bytes).
+    ///
+    /// # Panics
+    /// If `x.len()` is not a multiple of `ty.block_elems()`, if
+    /// `out.len() != ty.row_bytes(x.len())`, or if `out` is misaligned for `ty`.
+    pub fn quantize_activation(&self, ty: ActivationType, x: &[f32], out: &mut [u8]) {
+        assert_eq!(
+            out.len(),
+            ty.row_bytes(x.len()),
+            "{ty:?} row of {} elements needs {} bytes",
+            x.len(),
+            ty.row_bytes(x.len())
+        );
+        // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
+        unsafe { (self.quantize[ty.index()])(x, out) }
+    }
+
+    /// Dot product of one weight row (`n` elements of type `w`) with one activation row
+    /// of type `w.activation()` quantized from `n` elements.
+    ///
+    /// # Panics
+    /// If `n` is not a whole number of blocks of `w`, or a row length doesn't match `n`.
+    pub fn dot(&self, w: WeightType, w_row: &[u8], act_row: &[u8], n: usize) -> f32 {
+        check_rows(w, w_row.len(), act_row.len(), n);
+        // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
+        unsafe { (self.weight(w).dot)(w_row, act_row) }
+    }
+
+    /// `out[r]` = dot of weight row `r` with `act_row`, where row `r` starts at byte
+    /// `r * row_bytes` of `w_rows` (`row_bytes` ≥ the row's length; a larger value is a
+    /// stride) and has `n` elements.
+    ///
+    /// The x86 tables process 2 (AVX2) or 4 (AVX-512) rows per pass over the
+    /// activations for the quantized formats; results equal [`Kernels::dot`]'s per row.
+    ///
+    /// # Panics
+    /// As [`Kernels::dot`], and if `w_rows` is too short for `out.len()` rows.
+    pub fn dot_rows(&self, w: WeightType, w_rows: &[u8], row_bytes: usize, act_row: &[u8], n: usize, out: &mut [f32]) {
+        let len = w.row_bytes(n).unwrap_or(usize::MAX);
+        check_rows(w, len, act_row.len(), n);
+        assert!(row_bytes >= len, "row stride {row_bytes} is below the row length {len}");
+        if let Some(last) = out.len().checked_sub(1) {
+            let need = last.checked_mul(row_bytes).and_then(|b| b.checked_add(len)).expect("row span overflows usize");
+            assert!(
+                w_rows.len() >= need,
+                "{} rows of stride {row_bytes} need {need} bytes, got {}",
+                out.len(),
+                w_rows.len()
+            );
+        }
+        let entry = self.weight(w);
+        match entry.dot_rows {
+            // SAFETY: every row is in bounds (checked above) and the lengths match; the
+            // table's ISA is supported (see module docs).
+            Some(f) => unsafe { f(w_rows, row_bytes, act_row, out) },
+            None => {
+                for (r, o) in out.iter_mut().enumerate() {
+                    let row = &w_rows[r * row_bytes..r * row_bytes + len];
+                    // SAFETY: as above.
+                    *o = unsafe { (entry.dot)(row, act_row) };
+                }
+            }
+        }
+    }
+
+    /// Dequantizes one row of `out.len()` elements of type `w`. Bit-identical on every
+    /// ISA, except that the x86 F16 path (F16C) may quiet signalling-NaN payloads.
+    ///
+    /// # Panics
+    /// If `row.len() != w.row_bytes(out.len())`.
+    pub fn dequantize_row(&self, w: WeightType, row: &[u8], out: &mut [f32]) {
+        let n = out.len();
+        assert_eq!(Some(row.len()), w.row_bytes(n), "{w} row of {n} elements has the wrong byte length");
+        // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
+        unsafe { (self.weight(w).dequantize)(row, out) }
+    }
+}
+
+impl core::fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Kernels").field("isa", &self.isa).finish_non_exhaustive()
+    }
+}
+
+#[track_caller]
+fn check_rows(w: WeightType, w_len: usize, act_len: usize, n: usize) {
+    let expect = w.row_bytes(n);
+    assert!(expect.is_some(), "{w} rows need a multiple of {} elements, got {n}", w.block_elems());
+    assert_eq!(Some(w_len), expect, "{w} row of {n} elements has the wrong byte length");
+    let a = w.activation();
+    assert_eq!(act_len, a.row_bytes(n), "{a:?} row of {n} elements has the wrong byte length");
+}

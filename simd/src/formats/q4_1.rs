@@ -1,0 +1,70 @@
+//! Q4_1 (GGML type 3): blocks of 32 elements, 20 bytes.
+//!
+//! | offset | field          | meaning                                             |
+//! |--------|----------------|-----------------------------------------------------|
+//! | 0      | `d: f16`       | scale                                               |
+//! | 2      | `m: f16`       | minimum (offset)                                    |
+//! | 4      | `qs: [u8; 16]` | low nibble of `qs[j]` is element `j`, high nibble is element `j + 16` |
+//!
+//! Element value: `d · q + m`, `q` in `0..16`. Dot product against Q8_1, whose `s`
+//! carries the minimum term: per block `(dx·dy)·Σq·y + m·s`.
+
+use bytemuck::{Pod, Zeroable};
+use half::f16;
+
+use super::{f16_to_f32, reduce8, BlockQ8_1};
+
+/// Elements per block.
+pub const QK4_1: usize = 32;
+
+/// One Q4_1 block.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Pod, Zeroable)]
+pub struct BlockQ4_1 {
+    /// Scale.
+    pub d: f16,
+    /// Minimum.
+    pub m: f16,
+    /// Packed 4-bit quants.
+    pub qs: [u8; QK4_1 / 2],
+}
+const _: () = assert!(core::mem::size_of::<BlockQ4_1>() == 20);
+
+/// The block's 32 unsigned quants.
+#[inline(always)]
+pub(crate) fn unpack(b: &BlockQ4_1) -> [i8; QK4_1] {
+    let mut q = [0i8; QK4_1];
+    for j in 0..QK4_1 / 2 {
+        q[j] = (b.qs[j] & 0x0f) as i8;
+        q[j + 16] = (b.qs[j] >> 4) as i8;
+    }
+    q
+}
+
+/// Writes `d · q + m` for every element.
+pub fn dequantize(blocks: &[BlockQ4_1], out: &mut [f32]) {
+    let (out, rest) = out.as_chunks_mut::<QK4_1>();
+    assert!(rest.is_empty() && out.len() == blocks.len());
+    for (b, o) in blocks.iter().zip(out) {
+        let (d, m) = (f16_to_f32(b.d), f16_to_f32(b.m));
+        let q = unpack(b);
+        for j in 0..QK4_1 {
+            o[j] = q[j] as f32 * d + m;
+        }
+    }
+}
+
+/// Dot product with a Q8_1 activation row.
+pub fn dot(x: &[BlockQ4_1], y: &[BlockQ8_1]) -> f32 {
+    assert_eq!(x.len(), y.len());
+    let mut acc = [0f32; 8];
+    for (xc, yc) in x.chunks(8).zip(y.chunks(8)) {
+        for (k, (xb, yb)) in xc.iter().zip(yc).enumerate() {
+            let sumi = super::q8_0::dot_i8_32(&unpack(xb), &yb.qs);
+            acc[k] += (f16_to_f32(xb.d) * f16_to_f32(yb.d)) * sumi as f32 + f16_to_f32(xb.m) * f16_to_f32(yb.s);
+        }
+    }
+    reduce8(acc)
+}
+
+super::weight_entry_points!(BlockQ4_1, BlockQ8_1);

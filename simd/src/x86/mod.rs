@@ -1,0 +1,255 @@
+//! x86-64 kernels, registered over the scalar table by [`register`].
+//!
+//! # Scheme
+//!
+//! One file per format (plus `float.rs` for F32/F16/BF16 and `quantize.rs` for the
+//! activation quantizers). Integer kernels are written once, as `#[inline(always)]`
+//! functions generic over an [`IsaOps`] implementation that supplies the one
+//! instruction that differs: the u8×i8 dot product of four-byte groups
+//! (`vpmaddubsw`+`vpmaddwd` on AVX2, `vpdpbusd` on AVX-512 VNNI). The [`x86_entries!`]
+//! macro then instantiates each kernel inside a `#[target_feature]` entry point per ISA,
+//! where LLVM inlines everything and compiles it with that ISA's instructions.
+//!
+//! Every integer kernel reproduces the scalar kernels' order of float operations (see
+//! [`crate::formats`]), so its results are bit-identical to the scalar table's.
+//!
+//! # Safety
+//!
+//! The generic helpers are `unsafe fn`s whose only precondition is that the CPU supports
+//! the ISA's features; they are called only from the `#[target_feature]` entry points,
+//! which the dispatch table registers only after detecting those features. Memory is
+//! read through bytemuck casts of fixed-size arrays, never raw pointers.
+
+use core::arch::x86_64::*;
+
+use crate::dispatch::{Kernels, WeightKernels};
+use crate::{ActivationType, Isa, WeightType};
+
+mod block32;
+mod float;
+mod q4_0;
+mod q4_1;
+mod q4_k;
+mod q5_0;
+mod q5_1;
+mod q5_k;
+mod q6_k;
+mod q8_0;
+mod quantize;
+
+/// The instruction that differs between the ISAs' integer kernels.
+pub(crate) trait IsaOps {
+    /// Weight rows per activation pass in `dot_rows`.
+    const ROWS: usize;
+
+    /// `acc + Σ u·s` over each group of four bytes (`u` unsigned, `s` signed), one i32
+    /// lane per group. Exact as long as `u₀s₀ + u₁s₁` fits in an i16 (AVX2 saturates
+    /// there); every caller keeps `u ≤ 128` and `|s| ≤ 127`, or `u ≤ 63`.
+    ///
+    /// # Safety
+    /// The CPU must support the ISA.
+    unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
+}
+
+/// AVX2 + FMA + F16C.
+pub(crate) struct Avx2;
+/// AVX-512 F/BW/VL + VNNI (and everything [`Avx2`] has).
+pub(crate) struct Avx512;
+
+impl IsaOps for Avx2 {
+    const ROWS: usize = 2;
+
+    #[inline(always)]
+    unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        // SAFETY: the caller runs with AVX2 enabled.
+        unsafe {
+            let pairs = _mm256_maddubs_epi16(u, s);
+            _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+        }
+    }
+}
+
+impl IsaOps for Avx512 {
+    const ROWS: usize = 4;
+
+    #[inline(always)]
+    unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        // SAFETY: the caller runs with AVX-512 VL + VNNI enabled.
+        unsafe { _mm256_dpbusd_epi32(acc, u, s) }
+    }
+}
+
+/// Loads a 32-byte value (a quant array) into a vector.
+#[inline(always)]
+pub(crate) fn load32<T: bytemuck::Pod>(a: &T) -> __m256i {
+    const { assert!(core::mem::size_of::<T>() == 32) };
+    bytemuck::cast(*a)
+}
+
+/// Loads a 16-byte value into a vector.
+#[inline(always)]
+pub(crate) fn load16<T: bytemuck::Pod>(a: &T) -> __m128i {
+    const { assert!(core::mem::size_of::<T>() == 16) };
+    bytemuck::cast(*a)
+}
+
+/// Eight f16 bit patterns widened to f32.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn cvt_f16x8(bits: [u16; 8]) -> __m256 {
+    _mm256_cvtph_ps(bytemuck::cast::<[u16; 8], __m128i>(bits))
+}
+
+/// The eight lane totals of eight i32 vectors: lane `j` of the result is the sum of
+/// all lanes of `v[j]`. Exact (integer).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn reduce8x8(v: &[__m256i; 8]) -> __m256i {
+    let s01 = _mm256_hadd_epi32(v[0], v[1]);
+    let s23 = _mm256_hadd_epi32(v[2], v[3]);
+    let s45 = _mm256_hadd_epi32(v[4], v[5]);
+    let s67 = _mm256_hadd_epi32(v[6], v[7]);
+    // Per 128-bit half: [v0, v1, v2, v3] partial sums (low half from lanes 0-3,
+    // high half from lanes 4-7 of each vector).
+    let s0123 = _mm256_hadd_epi32(s01, s23);
+    let s4567 = _mm256_hadd_epi32(s45, s67);
+    let lo = _mm256_permute2x128_si256(s0123, s4567, 0x20);
+    let hi = _mm256_permute2x128_si256(s0123, s4567, 0x31);
+    _mm256_add_epi32(lo, hi)
+}
+
+/// Sum of the eight i32 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn hsum_i32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01));
+    _mm_cvtsi128_si32(s)
+}
+
+/// Folds eight f32 lanes exactly as [`crate::formats::reduce8`] does.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn reduce8_ps(v: __m256) -> f32 {
+    let h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 0b01)))
+}
+
+/// Splits 16 packed bytes into 32 nibbles: low nibbles in bytes 0–15, high nibbles in
+/// bytes 16–31 (the Q4_0/Q4_1/Q5_0/Q5_1 element order).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn nibbles32(qs: &[u8; 16]) -> __m256i {
+    let lo = load16(qs);
+    let hi = _mm_srli_epi16(lo, 4);
+    _mm256_and_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(0x0f))
+}
+
+/// Byte `j` is `0xFF` if bit `j` of the little-endian u32 `qh` is set, else 0.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn bits32(qh: [u8; 4]) -> __m256i {
+    let v = _mm256_set1_epi32(i32::from_le_bytes(qh));
+    // Byte j takes byte j / 8 of the word (shuffles stay within 128-bit halves,
+    // and every 32-bit lane holds the whole word).
+    let pick = _mm256_set_epi64x(0x0303_0303_0303_0303, 0x0202_0202_0202_0202, 0x0101_0101_0101_0101, 0);
+    let bytes = _mm256_shuffle_epi8(v, pick);
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit)
+}
+
+/// Defines, for one integer kernel `$kernel::<I, R>(xs: [&[$W]; R], y: &[$A]) -> [f32; R]`,
+/// the modules `avx2` and `avx512`, each with the byte-level table entries `dot` and
+/// `dot_rows` compiled for that ISA.
+macro_rules! x86_entries {
+    ($kernel:ident, $W:ty, $A:ty) => {
+        // The feature lists are those `Isa::is_supported` checks.
+        $crate::x86::x86_entries!(@isa avx2, $crate::x86::Avx2, "avx2,fma,f16c", $kernel, $W, $A);
+        $crate::x86::x86_entries!(
+            @isa avx512, $crate::x86::Avx512,
+            "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", $kernel, $W, $A
+        );
+    };
+    (@isa $module:ident, $I:ty, $features:literal, $kernel:ident, $W:ty, $A:ty) => {
+        pub(crate) mod $module {
+            use super::*;
+            use $crate::formats::cast_blocks;
+
+            /// Table entry: one row.
+            ///
+            /// # Safety
+            /// The CPU must support the ISA; lengths as `dispatch::DotFn`.
+            #[target_feature(enable = $features)]
+            pub(crate) unsafe fn dot(w: &[u8], a: &[u8]) -> f32 {
+                // SAFETY: this function's target features are the ISA's.
+                unsafe { $kernel::<$I, 1>([cast_blocks::<$W>(w)], cast_blocks::<$A>(a))[0] }
+            }
+
+            /// Table entry: several rows per pass over the activations.
+            ///
+            /// # Safety
+            /// The CPU must support the ISA; lengths as `dispatch::DotRowsFn`.
+            #[target_feature(enable = $features)]
+            pub(crate) unsafe fn dot_rows(w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
+                const R: usize = <$I as $crate::x86::IsaOps>::ROWS;
+                let y = cast_blocks::<$A>(a);
+                let len = y.len() * core::mem::size_of::<$W>();
+                let row = |r: usize| cast_blocks::<$W>(&w[r * stride..r * stride + len]);
+                let mut r = 0;
+                while r + R <= out.len() {
+                    let xs: [&[$W]; R] = core::array::from_fn(|i| row(r + i));
+                    // SAFETY: this function's target features are the ISA's.
+                    out[r..r + R].copy_from_slice(&unsafe { $kernel::<$I, R>(xs, y) });
+                    r += R;
+                }
+                while r < out.len() {
+                    // SAFETY: as above.
+                    out[r] = unsafe { $kernel::<$I, 1>([row(r)], y)[0] };
+                    r += 1;
+                }
+            }
+        }
+    };
+}
+pub(crate) use x86_entries;
+
+/// Overrides the entries of `k` that have `isa`-specific code.
+///
+/// # Safety
+/// The CPU must support `isa` (`isa.is_supported()`): the table then calls the entries.
+pub(crate) unsafe fn register(k: &mut Kernels, isa: Isa) {
+    macro_rules! set {
+        ($isa:ident: $($w:ident => $module:ident),* $(,)?) => {
+            $(
+                let old = k.weight(WeightType::$w);
+                k.set_weight(
+                    WeightType::$w,
+                    WeightKernels {
+                        dot: $module::$isa::dot,
+                        dot_rows: Some($module::$isa::dot_rows),
+                        dequantize: old.dequantize,
+                    },
+                );
+            )*
+        };
+    }
+    match isa {
+        Isa::Scalar => return,
+        Isa::Avx2 => {
+            set!(avx2: Q8_0 => q8_0, Q4_0 => q4_0, Q5_0 => q5_0, Q4_1 => q4_1, Q5_1 => q5_1,
+                 Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k);
+            float::register_avx2(k);
+        }
+        Isa::Avx512 => {
+            set!(avx512: Q8_0 => q8_0, Q4_0 => q4_0, Q5_0 => q5_0, Q4_1 => q4_1, Q5_1 => q5_1,
+                 Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k);
+            float::register_avx512(k);
+        }
+    }
+    // AVX-512 implies AVX2: both use the AVX2 quantizers.
+    k.set_quantize(ActivationType::Q8_0, quantize::q8_0_avx2);
+    k.set_quantize(ActivationType::Q8_1, quantize::q8_1_avx2);
+    k.set_quantize(ActivationType::Q8_K, quantize::q8_k_avx2);
+}

@@ -1,0 +1,39 @@
+//! Q4_1 × Q8_1: unsigned nibbles × signed activations, minimum through `s`.
+
+use core::arch::x86_64::*;
+
+use super::block32::{dot_n, Block32};
+use super::{load32, nibbles32, IsaOps};
+use crate::formats::{BlockQ4_1, BlockQ8_1};
+
+impl Block32 for BlockQ4_1 {
+    type Act = BlockQ8_1;
+    const WITH_MIN: bool = true;
+
+    #[inline(always)]
+    unsafe fn lanes<I: IsaOps>(x: &Self, y: &BlockQ8_1) -> __m256i {
+        // SAFETY: the caller guarantees the ISA.
+        unsafe { I::dp(_mm256_setzero_si256(), nibbles32(&x.qs), load32(&y.qs)) }
+    }
+    fn d(&self) -> u16 {
+        self.d.to_bits()
+    }
+    fn m(&self) -> u16 {
+        self.m.to_bits()
+    }
+    fn act_d(y: &BlockQ8_1) -> u16 {
+        y.d.to_bits()
+    }
+    fn act_s(y: &BlockQ8_1) -> u16 {
+        y.s.to_bits()
+    }
+}
+
+/// See [`dot_n`].
+#[inline(always)]
+unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ4_1]; R], y: &[BlockQ8_1]) -> [f32; R] {
+    // SAFETY: forwarded precondition.
+    unsafe { dot_n::<I, BlockQ4_1, R>(xs, y) }
+}
+
+super::x86_entries!(kernel, BlockQ4_1, BlockQ8_1);

@@ -1,0 +1,76 @@
+//! Q4_K × Q8_K: per super-block, eight 32-element sub-block sums gathered into one
+//! vector and multiplied by the 6-bit scales; the minimum term from Q8_K's `bsums`.
+
+use core::arch::x86_64::*;
+
+use super::{hsum_i32, load32, reduce8x8, IsaOps};
+use crate::formats::q4_k::scales_mins_words;
+use crate::formats::{f16_to_f32, BlockQ4K, BlockQ8K};
+
+/// `Σⱼ wⱼ · totalⱼ` for eight unsigned byte weights (the bytes of `w`) and eight
+/// sub-block lane vectors.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn scaled_total(v: &[__m256i; 8], w: u64) -> i32 {
+    weighted_sum(reduce8x8(v), w)
+}
+
+/// `Σⱼ wⱼ · vⱼ` for eight unsigned byte weights (the bytes of `w`) and eight i32 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn weighted_sum(v: __m256i, w: u64) -> i32 {
+    let w = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(w as i64));
+    hsum_i32(_mm256_mullo_epi32(v, w))
+}
+
+/// `bsums[2j] + bsums[2j+1]` in lane `j`: the Q8_K sums per 32-element sub-block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn pair_sums(y: &BlockQ8K) -> __m256i {
+    _mm256_madd_epi16(load32(&y.bsums), _mm256_set1_epi16(1))
+}
+
+/// The 32 activation vectors of a Q8_K block, sub-block `j` in element `j`.
+#[inline(always)]
+pub(crate) fn activation_vectors(y: &BlockQ8K) -> [__m256i; 8] {
+    let (chunks, _) = y.qs.as_chunks::<32>();
+    core::array::from_fn(|j| load32(&chunks[j]))
+}
+
+/// Dot products of `R` weight rows with one activation row.
+///
+/// # Safety
+/// The CPU must support `I`; every row has `y.len()` blocks.
+#[inline(always)]
+unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ4K]; R], y: &[BlockQ8K]) -> [f32; R] {
+    // SAFETY: the caller guarantees the ISA.
+    unsafe {
+        let mut acc = [0f32; R];
+        for (i, yb) in y.iter().enumerate() {
+            let yv = activation_vectors(yb);
+            let pairs = pair_sums(yb);
+            for r in 0..R {
+                let xb = &xs[r][i];
+                let (sc, mn) = scales_mins_words(&xb.scales);
+                let (qs, _) = xb.qs.as_chunks::<32>();
+                let low = _mm256_set1_epi8(0x0f);
+                let mut v = [_mm256_setzero_si256(); 8];
+                for c in 0..4 {
+                    let q = load32(&qs[c]);
+                    let lo = _mm256_and_si256(q, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                    v[2 * c] = I::dp(_mm256_setzero_si256(), lo, yv[2 * c]);
+                    v[2 * c + 1] = I::dp(_mm256_setzero_si256(), hi, yv[2 * c + 1]);
+                }
+                let sumi = scaled_total(&v, sc);
+                let summ = weighted_sum(pairs, mn);
+                let d = f16_to_f32(xb.d) * yb.d;
+                let dm = f16_to_f32(xb.dmin) * yb.d;
+                acc[r] += d * sumi as f32 - dm * summ as f32;
+            }
+        }
+        acc
+    }
+}
+
+super::x86_entries!(kernel, BlockQ4K, BlockQ8K);

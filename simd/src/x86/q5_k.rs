@@ -1,0 +1,55 @@
+//! Q5_K × Q8_K: as Q4_K, with the fifth bits merged into the nibbles.
+
+use core::arch::x86_64::*;
+
+use super::q4_k::{activation_vectors, pair_sums, scaled_total, weighted_sum};
+use super::{load32, IsaOps};
+use crate::formats::q4_k::scales_mins_words;
+use crate::formats::{f16_to_f32, BlockQ5K, BlockQ8K};
+
+/// Dot products of `R` weight rows with one activation row.
+///
+/// # Safety
+/// The CPU must support `I`; every row has `y.len()` blocks.
+#[inline(always)]
+unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ5K]; R], y: &[BlockQ8K]) -> [f32; R] {
+    // SAFETY: the caller guarantees the ISA.
+    unsafe {
+        let mut acc = [0f32; R];
+        for (i, yb) in y.iter().enumerate() {
+            let yv = activation_vectors(yb);
+            let pairs = pair_sums(yb);
+            for r in 0..R {
+                let xb = &xs[r][i];
+                let (sc, mn) = scales_mins_words(&xb.scales);
+                let (qs, _) = xb.qs.as_chunks::<32>();
+                let low = _mm256_set1_epi8(0x0f);
+                let bit4 = _mm256_set1_epi8(0x10);
+                // Bits 2c and 2c+1 of each qh byte belong to sub-blocks 2c and 2c+1;
+                // shift right by 2 per step. (16-bit shifts leak bits between the two
+                // bytes only into bits 6-7, which are never read.)
+                let mut h = load32(&xb.qh);
+                let mut v = [_mm256_setzero_si256(); 8];
+                for c in 0..4 {
+                    let q = load32(&qs[c]);
+                    let lo = _mm256_or_si256(_mm256_and_si256(q, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+                    let hi = _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(q, 4), low),
+                        _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4),
+                    );
+                    v[2 * c] = I::dp(_mm256_setzero_si256(), lo, yv[2 * c]);
+                    v[2 * c + 1] = I::dp(_mm256_setzero_si256(), hi, yv[2 * c + 1]);
+                    h = _mm256_srli_epi16(h, 2);
+                }
+                let sumi = scaled_total(&v, sc);
+                let summ = weighted_sum(pairs, mn);
+                let d = f16_to_f32(xb.d) * yb.d;
+                let dm = f16_to_f32(xb.dmin) * yb.d;
+                acc[r] += d * sumi as f32 - dm * summ as f32;
+            }
+        }
+        acc
+    }
+}
+
+super::x86_entries!(kernel, BlockQ5K, BlockQ8K);

@@ -1,0 +1,67 @@
+//! Q6_K × Q8_K: unsigned 6-bit quants (0..64) × activations per 16-element group,
+//! scaled, then `32 · Σ scale·bsum` subtracted for the offset.
+
+use core::arch::x86_64::*;
+
+use super::q4_k::activation_vectors;
+use super::{hsum_i32, load16, load32, IsaOps};
+use crate::formats::{f16_to_f32, BlockQ6K, BlockQ8K};
+
+/// Dot products of `R` weight rows with one activation row.
+///
+/// # Safety
+/// The CPU must support `I`; every row has `y.len()` blocks.
+#[inline(always)]
+unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ6K]; R], y: &[BlockQ8K]) -> [f32; R] {
+    // SAFETY: the caller guarantees the ISA.
+    unsafe {
+        let mut acc = [0f32; R];
+        let low = _mm256_set1_epi8(0x0f);
+        let top = _mm256_set1_epi8(0x30);
+        // Scale order matching the lanes of the group sums below: even groups of each
+        // vector pair first, then odd ones.
+        let order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+        for (i, yb) in y.iter().enumerate() {
+            let yv = activation_vectors(yb);
+            let bsums = load32(&yb.bsums);
+            for r in 0..R {
+                let xb = &xs[r][i];
+                let (ql, _) = xb.ql.as_chunks::<32>();
+                let (qh, _) = xb.qh.as_chunks::<32>();
+                let mut v = [_mm256_setzero_si256(); 8];
+                for h in 0..2 {
+                    let (l0, l1, hb) = (load32(&ql[2 * h]), load32(&ql[2 * h + 1]), load32(&qh[h]));
+                    // Elements 0-31, 32-63, 64-95, 96-127 of the half; qh bits 0-1, 2-3,
+                    // 4-5, 6-7 moved to bits 4-5.
+                    let q = [
+                        _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)),
+                        _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, top)),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), top),
+                        ),
+                    ];
+                    for k in 0..4 {
+                        v[4 * h + k] = I::dp(_mm256_setzero_si256(), q[k], yv[4 * h + k]);
+                    }
+                }
+                // Lanes 0-3 of v[i] are group 2i, lanes 4-7 group 2i+1. Two rounds of
+                // hadd give [G0 G2 G4 G6 | G1 G3 G5 G7] and [G8 .. G14 | G9 .. G15].
+                let g0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+                let g1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+                let scales = load16(&xb.scales);
+                let s = _mm_shuffle_epi8(scales, order);
+                let s0 = _mm256_cvtepi8_epi32(s);
+                let s1 = _mm256_cvtepi8_epi32(_mm_srli_si128(s, 8));
+                let unsigned = hsum_i32(_mm256_add_epi32(_mm256_mullo_epi32(g0, s0), _mm256_mullo_epi32(g1, s1)));
+                let offset = hsum_i32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), bsums));
+                let sumi = unsigned - 32 * offset;
+                acc[r] += (f16_to_f32(xb.d) * yb.d) * sumi as f32;
+            }
+        }
+        acc
+    }
+}
+
+super::x86_entries!(kernel, BlockQ6K, BlockQ8K);

@@ -1,0 +1,3 @@
+//! Attention over the KV cache.
+
+pub mod dense;

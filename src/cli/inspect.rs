@@ -1,0 +1,92 @@
+//! `sift inspect`: what a model file holds and what running it costs.
+
+use std::collections::BTreeMap;
+
+use clap::Args;
+use sift::kv::KvCache;
+use sift::model::Model;
+use sift::tokenizer::Tokenizer;
+
+use super::{context_size, ModelArgs};
+
+#[derive(Args)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Context size to size the KV cache for [default: 4096, or the model's if smaller]
+    #[arg(short = 'c', long = "ctx-size")]
+    ctx: Option<usize>,
+    /// Print JSON instead of text
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(args: InspectArgs) -> anyhow::Result<()> {
+    let file = args.model.open()?;
+    let model = Model::load(&file)?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    let hp = &model.hp;
+    let n_ctx = context_size(args.ctx, hp.n_ctx_train)?;
+
+    let mut types: BTreeMap<&str, (usize, usize, usize)> = BTreeMap::new();
+    for t in file.tensors() {
+        let e = types.entry(t.ty.name()).or_default();
+        e.0 += 1;
+        e.1 += t.n_elements();
+        e.2 += t.n_bytes;
+    }
+    let kv_bytes = KvCache::new(&model.cache_shape(), n_ctx, sift::engine::DEFAULT_BATCH).bytes();
+    let global_layers = (0..hp.n_layer).filter(|&il| !hp.is_sliding(il)).count();
+    let kv_per_token = global_layers * hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v) * 2;
+    let weight_bytes: usize = file.tensors().iter().map(|t| t.n_bytes).sum();
+    let n_params: usize = file.tensors().iter().map(|t| t.n_elements()).sum();
+
+    if args.json {
+        let json = serde_json::json!({
+            "file": file.path(),
+            "file_bytes": file.file_size(),
+            "gguf_version": file.version(),
+            "architecture": hp.arch.gguf_name(),
+            "name": hp.name,
+            "parameters": n_params,
+            "hparams": {
+                "n_vocab": hp.n_vocab, "n_ctx_train": hp.n_ctx_train, "n_embd": hp.n_embd, "n_layer": hp.n_layer,
+                "n_head": hp.n_head, "n_head_kv": hp.n_head_kv, "head_dim_k": hp.head_dim_k,
+                "head_dim_v": hp.head_dim_v, "n_ff": hp.n_ff, "rms_eps": hp.rms_eps,
+                "rope_base": hp.rope.base, "rope_base_sliding": hp.rope.base_sliding, "n_rot": hp.rope.n_rot,
+                "sliding_window": hp.sliding_window, "sliding_layers": hp.sliding_layers.iter().filter(|&&s| s).count(),
+            },
+            "tensor_types": types.iter().map(|(ty, (n, el, b))| serde_json::json!({"type": ty, "tensors": n, "elements": el, "bytes": b})).collect::<Vec<_>>(),
+            "memory": { "weights_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "kv_bytes_per_token": kv_per_token, "n_ctx": n_ctx },
+            "tokenizer": { "vocab": tokenizer.vocab_size(), "bos": tokenizer.bos(), "eos": tokenizer.eos(), "chat_template": tokenizer.chat_template().is_some() },
+        });
+        println!("{}", serde_json::to_string_pretty(&json)?);
+        return Ok(());
+    }
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    println!("file          {} ({:.1} MiB, GGUF v{})", file.path().display(), mib(file.file_size()), file.version());
+    println!("architecture  {} {}", hp.arch.gguf_name(), hp.name);
+    println!("parameters    {:.1} M", n_params as f64 / 1e6);
+    println!("vocabulary    {} tokens (BOS {:?}, EOS {:?})", tokenizer.vocab_size(), tokenizer.bos(), tokenizer.eos());
+    println!("layers        {} x (embd {}, ffn {})", hp.n_layer, hp.n_embd, hp.n_ff);
+    println!("attention     {} heads, {} KV heads, head dim {}/{}", hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v);
+    println!("rope          {:?}, {} dims, base {} (sliding layers {})", hp.rope.style, hp.rope.n_rot, hp.rope.base, hp.rope.base_sliding);
+    match hp.sliding_window {
+        Some(w) => println!(
+            "sliding       window {w} on {} of {} layers",
+            hp.sliding_layers.iter().filter(|&&s| s).count(),
+            hp.n_layer
+        ),
+        None => println!("sliding       none"),
+    }
+    println!("context       {} trained", hp.n_ctx_train);
+    println!("chat template {}", if tokenizer.chat_template().is_some() { "yes" } else { "none in file" });
+    println!("tensor types");
+    for (ty, (n, el, bytes)) in &types {
+        println!("  {ty:<6} {n:>4} tensors {:>12} elements {:>9.1} MiB", el, mib(*bytes));
+    }
+    println!("memory");
+    println!("  weights     {:.1} MiB (memory-mapped)", mib(weight_bytes));
+    println!("  KV cache    {:.1} MiB at -c {n_ctx} (f16; {kv_per_token} bytes per token in global layers)", mib(kv_bytes));
+    Ok(())
+}

@@ -1,0 +1,159 @@
+//! Subcommands and what they share: finding and opening the model, threads,
+//! exit codes.
+
+mod inspect;
+mod perplexity;
+mod run;
+mod tokenize;
+
+use std::io::Read;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use sift::engine::EngineError;
+use sift::gguf::{GgufError, GgufFile};
+use sift::model::ModelError;
+use sift::perplexity::PerplexityError;
+use sift::tokenizer::TokenizerError;
+
+pub const EXIT_USAGE: u8 = 1;
+pub const EXIT_MODEL: u8 = 2;
+pub const EXIT_CONTEXT: u8 = 3;
+pub const EXIT_OTHER: u8 = 4;
+
+/// The default model, as `models/fetch` assembles it in this checkout.
+const DEFAULT_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/models/gemma-3-270m-Q4_K_M.gguf");
+
+#[derive(Parser)]
+#[command(
+    name = "sift",
+    version,
+    about = "CPU-first inference for GGUF language models (Gemma 3, Llama, Qwen2, SmolLM)",
+    long_about = "CPU-first inference for GGUF language models (Gemma 3, Llama, Qwen2, SmolLM).\n\n\
+        Without -m, sift uses the default model, Gemma 3 270M Q4_K_M, which `models/fetch` downloads.\n\n\
+        Exit codes: 0 success, 1 usage error, 2 model or input file unusable, 3 prompt longer than the \
+        context, 4 any other failure."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt (no chat template).
+    Run(run::RunArgs),
+    /// Measure perplexity of a text file, as llama-perplexity does.
+    Perplexity(perplexity::PerplexityArgs),
+    /// Print the token ids of a text.
+    Tokenize(tokenize::TokenizeArgs),
+    /// Describe a model: architecture, hyper-parameters, tensor types, memory needs.
+    Inspect(inspect::InspectArgs),
+}
+
+/// Options every model-running command takes.
+#[derive(Args, Clone)]
+pub struct ModelArgs {
+    /// GGUF model file [default: the fetched Gemma 3 270M]
+    #[arg(short, long, env = "SIFT_MODEL")]
+    model: Option<PathBuf>,
+    /// Worker threads [default: physical cores]
+    #[arg(short, long, env = "SIFT_THREADS")]
+    threads: Option<usize>,
+}
+
+impl ModelArgs {
+    pub fn open(&self) -> anyhow::Result<GgufFile> {
+        sift::threads::init(self.threads.unwrap_or_else(sift::threads::default_threads));
+        let path = match &self.model {
+            Some(path) => path.clone(),
+            None => {
+                let path = PathBuf::from(DEFAULT_MODEL);
+                if !path.exists() {
+                    bail!(GgufError::Io {
+                        path,
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::NotFound,
+                            "the default model is not there; fetch it with `models/fetch`, or pass -m MODEL",
+                        ),
+                    });
+                }
+                path
+            }
+        };
+        Ok(GgufFile::open(path)?)
+    }
+}
+
+pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Run(args) => run::run(args),
+        Command::Perplexity(args) => perplexity::run(args),
+        Command::Tokenize(args) => tokenize::run(args),
+        Command::Inspect(args) => inspect::run(args),
+    }
+}
+
+/// `-p TEXT`, or standard input for `-p -` (or no `-p` with input piped in).
+pub fn read_prompt(prompt: Option<&str>) -> anyhow::Result<String> {
+    use std::io::IsTerminal;
+    match prompt {
+        Some("-") => read_stdin(),
+        Some(text) => Ok(text.to_string()),
+        None if !std::io::stdin().is_terminal() => read_stdin(),
+        None => Err(anyhow::Error::new(Usage("no prompt: give -p TEXT, or pipe it on standard input".into()))),
+    }
+}
+
+fn read_stdin() -> anyhow::Result<String> {
+    let mut bytes = Vec::new();
+    std::io::stdin().read_to_end(&mut bytes).context("reading standard input")?;
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::Error::new(InputError(format!("standard input is not valid UTF-8 (byte {})", e.utf8_error().valid_up_to())))
+    })
+}
+
+/// A mistake in how sift was called that clap cannot see.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct Usage(pub String);
+
+/// Input data (a prompt, a text file) that cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct InputError(pub String);
+
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    for cause in e.chain() {
+        if cause.is::<Usage>() {
+            return EXIT_USAGE;
+        }
+        if cause.is::<GgufError>() || cause.is::<ModelError>() || cause.is::<TokenizerError>() || cause.is::<InputError>() {
+            return EXIT_MODEL;
+        }
+        if let Some(EngineError::PromptTooLong { .. } | EngineError::ContextFull { .. }) = cause.downcast_ref() {
+            return EXIT_CONTEXT;
+        }
+        if let Some(PerplexityError::TooShort { .. }) = cause.downcast_ref() {
+            return EXIT_CONTEXT;
+        }
+    }
+    EXIT_OTHER
+}
+
+/// The context size to use: as asked, else 4096 capped by the model's
+/// training context. Larger than the training context is allowed (RoPE
+/// extrapolates poorly, so say so).
+pub fn context_size(requested: Option<usize>, n_ctx_train: usize) -> anyhow::Result<usize> {
+    match requested {
+        Some(0) => Err(anyhow::Error::new(Usage("-c must be at least 1".into()))),
+        Some(c) => {
+            if c > n_ctx_train {
+                eprintln!("sift: warning: -c {c} exceeds the model's training context of {n_ctx_train}; quality may drop");
+            }
+            Ok(c)
+        }
+        None => Ok(4096.min(n_ctx_train.max(1))),
+    }
+}

@@ -1,0 +1,127 @@
+//! A session: one model, one KV cache, and the position reached so far.
+//! Prompts are prefilled in batches of up to [`Session::batch`] tokens,
+//! then tokens are decoded one at a time against the same cache.
+
+use crate::kv::KvCache;
+use crate::matmul::MatmulScratch;
+use crate::model::{Model, Outputs, Scratch};
+
+/// The batch size of prefill (llama.cpp's default micro-batch).
+pub const DEFAULT_BATCH: usize = 512;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("the prompt has {prompt} tokens but the context holds {n_ctx}; use a shorter prompt or a larger -c")]
+    PromptTooLong { prompt: usize, n_ctx: usize },
+    #[error("the context of {n_ctx} tokens is full")]
+    ContextFull { n_ctx: usize },
+    #[error("token id {id} is outside the vocabulary of {n_vocab}")]
+    TokenOutOfRange { id: u32, n_vocab: usize },
+    #[error("nothing to evaluate: the prompt is empty")]
+    EmptyInput,
+}
+
+pub struct Session<'m> {
+    model: &'m Model<'m>,
+    cache: KvCache,
+    scratch: Scratch,
+    head_scratch: MatmulScratch,
+    logits: Vec<f32>,
+    batch: usize,
+    n_past: usize,
+}
+
+impl<'m> Session<'m> {
+    pub fn new(model: &'m Model<'m>, n_ctx: usize) -> Self {
+        Self::with_batch(model, n_ctx, DEFAULT_BATCH)
+    }
+
+    /// A session whose prefill batches hold at most `batch` tokens (smaller
+    /// batches shrink the sliding-window rings and the scratch buffers).
+    pub fn with_batch(model: &'m Model<'m>, n_ctx: usize, batch: usize) -> Self {
+        let batch = batch.clamp(1, n_ctx.max(1));
+        Self {
+            model,
+            cache: KvCache::new(&model.cache_shape(), n_ctx, batch),
+            scratch: Scratch::default(),
+            head_scratch: MatmulScratch::default(),
+            logits: Vec::new(),
+            batch,
+            n_past: 0,
+        }
+    }
+
+    pub fn model(&self) -> &'m Model<'m> {
+        self.model
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.cache.n_ctx()
+    }
+
+    /// Tokens already in the cache.
+    pub fn n_past(&self) -> usize {
+        self.n_past
+    }
+
+    pub fn batch(&self) -> usize {
+        self.batch
+    }
+
+    pub fn cache_bytes(&self) -> usize {
+        self.cache.bytes()
+    }
+
+    /// Forgets everything; the cache memory is kept.
+    pub fn reset(&mut self) {
+        self.n_past = 0;
+    }
+
+    /// Appends `tokens` and returns the logits after the last one.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        self.check(tokens)?;
+        for chunk in tokens.chunks(self.batch) {
+            self.model.forward(chunk, self.n_past, &mut self.cache, &mut self.scratch, Outputs::Last);
+            self.n_past += chunk.len();
+        }
+        let n_vocab = self.model.hp.n_vocab;
+        self.logits.resize(n_vocab, 0.0);
+        self.model.logits(&self.scratch.hidden, &mut self.logits, &mut self.head_scratch);
+        Ok(&self.logits)
+    }
+
+    /// Appends one token and returns the logits after it.
+    pub fn decode(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        self.prefill(&[token])
+    }
+
+    /// Appends `tokens` (at most one batch) and hands the final-normed hidden
+    /// state of every one of them to the caller, who computes logits for the
+    /// rows it needs (perplexity scores half a chunk, in small groups).
+    pub fn evaluate_all(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
+        self.check(tokens)?;
+        assert!(tokens.len() <= self.batch, "evaluate_all takes at most one batch");
+        self.model.forward(tokens, self.n_past, &mut self.cache, &mut self.scratch, Outputs::All);
+        self.n_past += tokens.len();
+        Ok(&self.scratch.hidden)
+    }
+
+    fn check(&self, tokens: &[u32]) -> Result<(), EngineError> {
+        let n_ctx = self.n_ctx();
+        if tokens.is_empty() {
+            return Err(EngineError::EmptyInput);
+        }
+        if self.n_past + tokens.len() > n_ctx {
+            return Err(if self.n_past == 0 {
+                EngineError::PromptTooLong { prompt: tokens.len(), n_ctx }
+            } else {
+                EngineError::ContextFull { n_ctx }
+            });
+        }
+        let n_vocab = self.model.hp.n_vocab;
+        match tokens.iter().find(|&&id| id as usize >= n_vocab) {
+            Some(&id) => Err(EngineError::TokenOutOfRange { id, n_vocab }),
+            None => Ok(()),
+        }
+    }
+}

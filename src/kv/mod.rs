@@ -1,0 +1,118 @@
+//! The key/value cache: f16 keys (after RoPE) and values for every layer,
+//! allocated once for the whole context.
+//!
+//! Layout per layer and KV head: one contiguous run of slots, each slot one
+//! position's `head_dim` values, so attention for a head streams memory in
+//! order. Global layers have a slot per context position. Sliding-window
+//! layers keep a ring of `window + batch` slots (position `p` lives in slot
+//! `p % capacity`): enough that no key a query of the current batch can see
+//! is overwritten by a later token of the same batch, and their memory does
+//! not grow with the context.
+
+use half::f16;
+
+pub struct LayerCache {
+    n_kv_head: usize,
+    head_dim_k: usize,
+    head_dim_v: usize,
+    capacity: usize,
+    window: Option<usize>,
+    k: Vec<f16>,
+    v: Vec<f16>,
+}
+
+impl LayerCache {
+    fn new(n_kv_head: usize, head_dim_k: usize, head_dim_v: usize, capacity: usize, window: Option<usize>) -> Self {
+        Self {
+            n_kv_head,
+            head_dim_k,
+            head_dim_v,
+            capacity,
+            window,
+            k: vec![f16::ZERO; n_kv_head * capacity * head_dim_k],
+            v: vec![f16::ZERO; n_kv_head * capacity * head_dim_v],
+        }
+    }
+
+    /// Stores one token's keys and values (all KV heads, concatenated).
+    pub fn store(&mut self, pos: usize, keys: &[f32], values: &[f32]) {
+        let slot = pos % self.capacity;
+        for h in 0..self.n_kv_head {
+            let (dk, dv) = (self.head_dim_k, self.head_dim_v);
+            let k_dst = &mut self.k[(h * self.capacity + slot) * dk..][..dk];
+            for (d, &s) in k_dst.iter_mut().zip(&keys[h * dk..(h + 1) * dk]) {
+                *d = f16::from_f32(s);
+            }
+            let v_dst = &mut self.v[(h * self.capacity + slot) * dv..][..dv];
+            for (d, &s) in v_dst.iter_mut().zip(&values[h * dv..(h + 1) * dv]) {
+                *d = f16::from_f32(s);
+            }
+        }
+    }
+
+    /// The positions a query at `pos` attends to: causal, and within the
+    /// window on sliding layers (a key `w` or more positions back is out).
+    pub fn visible(&self, pos: usize) -> std::ops::Range<usize> {
+        let first = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        first..pos + 1
+    }
+
+    pub fn key(&self, head: usize, pos: usize) -> &[f16] {
+        let slot = pos % self.capacity;
+        &self.k[(head * self.capacity + slot) * self.head_dim_k..][..self.head_dim_k]
+    }
+
+    pub fn value(&self, head: usize, pos: usize) -> &[f16] {
+        let slot = pos % self.capacity;
+        &self.v[(head * self.capacity + slot) * self.head_dim_v..][..self.head_dim_v]
+    }
+
+    pub fn bytes(&self) -> usize {
+        (self.k.len() + self.v.len()) * std::mem::size_of::<f16>()
+    }
+}
+
+pub struct KvCache {
+    n_ctx: usize,
+    layers: Vec<LayerCache>,
+}
+
+/// The shape of a model's cache; see [`crate::model::Model::cache_shape`].
+pub struct CacheShape {
+    pub n_kv_head: usize,
+    pub head_dim_k: usize,
+    pub head_dim_v: usize,
+    /// `Some(window)` for each sliding-window layer.
+    pub windows: Vec<Option<usize>>,
+}
+
+impl KvCache {
+    /// `max_batch` is the most tokens one forward step appends.
+    pub fn new(shape: &CacheShape, n_ctx: usize, max_batch: usize) -> Self {
+        let layers = shape
+            .windows
+            .iter()
+            .map(|&window| {
+                let capacity = window.map_or(n_ctx, |w| (w + max_batch).min(n_ctx));
+                LayerCache::new(shape.n_kv_head, shape.head_dim_k, shape.head_dim_v, capacity, window)
+            })
+            .collect();
+        Self { n_ctx, layers }
+    }
+
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    pub fn layer(&self, il: usize) -> &LayerCache {
+        &self.layers[il]
+    }
+
+    pub fn layer_mut(&mut self, il: usize) -> &mut LayerCache {
+        &mut self.layers[il]
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(LayerCache::bytes).sum()
+    }
+}

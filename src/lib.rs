@@ -1,0 +1,19 @@
+//! sift: CPU-first inference for GGUF language models.
+//!
+//! Reading order: [`gguf`] maps a model file; [`model`] turns its metadata and
+//! tensors into a transformer and runs the forward pass top-down, calling
+//! [`matmul`] for quantized products and [`attn`] for attention over the
+//! [`kv`] cache; [`engine`] drives prefill and decoding for a session;
+//! [`sample`] picks tokens; [`tokenizer`] maps text to ids and back.
+
+pub mod attn;
+pub mod engine;
+pub mod generate;
+pub mod gguf;
+pub mod kv;
+pub mod matmul;
+pub mod model;
+pub mod perplexity;
+pub mod sample;
+pub mod threads;
+pub mod tokenizer;

@@ -1,0 +1,110 @@
+//! Products of quantized weight matrices with f32 activation rows.
+//!
+//! Activations are quantized once per product to the weight format's
+//! activation type (Q8_0, Q8_1 or Q8_K, as ggml pairs them), then every weight
+//! row is dotted against every activation row with the kernels of [`simd`].
+//! Work is split across the pool by blocks of output rows, so each block of
+//! weights is read from memory once for all tokens of a batch.
+
+use rayon::prelude::*;
+use simd::{kernels, WeightType};
+
+/// A weight matrix in GGUF order: `rows` output rows of `cols` inputs each,
+/// stored row after row in its quantized format.
+#[derive(Clone, Copy)]
+pub struct Matrix<'a> {
+    pub ty: WeightType,
+    pub rows: usize,
+    pub cols: usize,
+    row_bytes: usize,
+    data: &'a [u8],
+}
+
+/// Reusable buffers, so a product allocates nothing once warmed up.
+#[derive(Default)]
+pub struct MatmulScratch {
+    /// Quantized activations; `u64` words keep every activation type's blocks aligned.
+    activations: Vec<u64>,
+    by_row_block: Vec<f32>,
+}
+
+impl<'a> Matrix<'a> {
+    /// `None` when `data` does not hold exactly `rows` rows of `cols` elements.
+    pub fn new(ty: WeightType, rows: usize, cols: usize, data: &'a [u8]) -> Option<Self> {
+        let row_bytes = ty.row_bytes(cols)?;
+        (row_bytes.checked_mul(rows)? == data.len()).then_some(Self { ty, rows, cols, row_bytes, data })
+    }
+
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        kernels().dequantize_row(self.ty, self.row(r), out);
+    }
+
+    /// `out[t * rows + r] = W[r] · x[t]` for the `x.len() / cols` rows of `x`.
+    pub fn matmul(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
+        let n_tokens = x.len() / self.cols;
+        assert_eq!(x.len(), n_tokens * self.cols, "activation length is not a whole number of rows");
+        assert_eq!(out.len(), n_tokens * self.rows, "output has the wrong length");
+        let k = kernels();
+        let act_ty = self.ty.activation();
+        let act_bytes = act_ty.row_bytes(self.cols);
+        scratch.activations.resize((n_tokens * act_bytes).div_ceil(8), 0);
+        let acts = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut scratch.activations)[..n_tokens * act_bytes];
+        acts.par_chunks_mut(act_bytes).zip(x.par_chunks(self.cols)).for_each(|(q, row)| {
+            k.quantize_activation(act_ty, row, q);
+            round_to_weight_precision(self.ty, q);
+        });
+        let acts = &*acts;
+
+        let block = self.row_block(n_tokens);
+        if n_tokens == 1 {
+            out.par_chunks_mut(block).enumerate().for_each(|(b, out)| {
+                let first = b * block;
+                let w = &self.data[first * self.row_bytes..(first + out.len()) * self.row_bytes];
+                k.dot_rows(self.ty, w, self.row_bytes, acts, self.cols, out);
+            });
+            return;
+        }
+        // Each task owns a block of rows and writes its results token-major
+        // into its own stretch of the scratch; a copy then lays them out.
+        scratch.by_row_block.resize(n_tokens * self.rows, 0.0);
+        scratch.by_row_block.par_chunks_mut(block * n_tokens).enumerate().for_each(|(b, res)| {
+            let first = b * block;
+            let n_rows = res.len() / n_tokens;
+            let w = &self.data[first * self.row_bytes..(first + n_rows) * self.row_bytes];
+            for (t, res) in res.chunks_exact_mut(n_rows).enumerate() {
+                k.dot_rows(self.ty, w, self.row_bytes, &acts[t * act_bytes..(t + 1) * act_bytes], self.cols, res);
+            }
+        });
+        for (b, res) in scratch.by_row_block.chunks(block * n_tokens).enumerate() {
+            let n_rows = res.len() / n_tokens;
+            for (t, res) in res.chunks_exact(n_rows).enumerate() {
+                out[t * self.rows + b * block..][..n_rows].copy_from_slice(res);
+            }
+        }
+    }
+
+    /// Rows per task: enough tasks to balance the pool, few enough that each
+    /// task's weights stay cache-resident while all tokens pass over them.
+    fn row_block(&self, n_tokens: usize) -> usize {
+        let tasks = rayon::current_num_threads() * 8;
+        let by_balance = self.rows.div_ceil(tasks);
+        let by_cache = (32 * 1024 / self.row_bytes.max(1)).max(4);
+        let block = if n_tokens == 1 { by_balance } else { by_balance.min(by_cache) };
+        block.clamp(1, self.rows.max(1))
+    }
+}
+
+/// ggml dots F16 and BF16 weights with activations converted to the weight's
+/// own type; rounding the f32 activations the same way reproduces its results.
+fn round_to_weight_precision(ty: WeightType, act: &mut [u8]) {
+    let round: fn(f32) -> f32 = match ty {
+        WeightType::F16 => |v| half::f16::from_f32(v).to_f32(),
+        WeightType::BF16 => |v| half::bf16::from_f32(v).to_f32(),
+        _ => return,
+    };
+    bytemuck::cast_slice_mut::<u8, f32>(act).iter_mut().for_each(|v| *v = round(*v));
+}

@@ -1,0 +1,26 @@
+//! The worker pool: one rayon pool for the whole process, its threads pinned
+//! to cores so the per-core caches keep the weights each thread streams.
+
+/// Physical cores, the default thread count (hyper-threads share the vector
+/// units that matmuls saturate, so they rarely help).
+pub fn default_threads() -> usize {
+    num_cpus::get_physical().max(1)
+}
+
+/// Builds the global pool with `n` threads pinned to the first `n` cores.
+/// Idempotent: the first call wins (rayon's global pool can be built once).
+pub fn init(n: usize) -> usize {
+    let n = n.max(1);
+    let cores = core_affinity::get_core_ids().unwrap_or_default();
+    // An error means the pool already exists (a test harness, a second call): keep it.
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .thread_name(|i| format!("sift-worker-{i}"))
+        .start_handler(move |i| {
+            if let Some(core) = cores.get(i % cores.len().max(1)) {
+                core_affinity::set_for_current(*core);
+            }
+        })
+        .build_global();
+    rayon::current_num_threads()
+}

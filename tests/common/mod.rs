@@ -1,0 +1,40 @@
+//! Shared test plumbing: where the default model and the shared references live.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The default model, fetched by `models/fetch` on first use (it is idempotent
+/// and takes a lock, so parallel test binaries may all call this).
+pub fn default_model() -> PathBuf {
+    let path = repo_root().join("models/gemma-3-270m-Q4_K_M.gguf");
+    if !path.exists() {
+        let status = Command::new("bash")
+            .arg(repo_root().join("models/fetch"))
+            .status()
+            .expect("run models/fetch");
+        assert!(status.success(), "models/fetch failed; the model tests need the default model");
+    }
+    path
+}
+
+/// `../shared`, the project's read-only references. `None` (with a visible
+/// message) when this checkout has no such folder beside it.
+pub fn shared_dir(test: &str) -> Option<PathBuf> {
+    let dir = repo_root().join("../shared");
+    if dir.is_dir() {
+        Some(dir)
+    } else {
+        eprintln!("SKIPPED {test}: ../shared is absent beside this checkout");
+        None
+    }
+}
+
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
