@@ -85,7 +85,8 @@ fn merges_from_scores(tokens: &[String], ids: &bpe::Vocab, scores: &[f32]) -> Ve
     merges.into_iter().map(|(id, cut)| (tokens[id][..cut].to_owned(), tokens[id][cut..].to_owned())).collect()
 }
 
-/// The merges the `tokenizers` crate accepts: both parts and the result must be tokens, and a
+/// The merges the `tokenizers` crate accepts: both parts and the result must be tokens (true of
+/// every merge in the vocabularies we test; the crate would refuse the whole list otherwise), and a
 /// repeated pair keeps its first rank, as in llama.cpp.
 fn formable(merges: Vec<(String, String)>, ids: &bpe::Vocab) -> Vec<(String, String)> {
     let mut seen = HashSet::new();

@@ -1,7 +1,7 @@
 //! How byte-pair vocabularies cut text into words before merging, per `tokenizer.ggml.pre`.
 //!
 //! The regexes are llama.cpp's, which in turn come from each model's `tokenizer.json` (case-insensitive
-//! contractions spelled out as character classes). Names that share a row behave identically in llama.cpp.
+//! contractions spelled out as character classes). Names listed together behave identically in llama.cpp.
 
 /// One pre-tokenizer: the splitting regexes and the flags llama.cpp attaches to the name.
 #[derive(Debug)]

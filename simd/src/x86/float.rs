@@ -1,5 +1,5 @@
-//! F32, F16 and BF16 weights against f32 activations: AVX2 (8 lanes, F16C) and
-//! AVX-512 (16 lanes) fused multiply-adds, four accumulators each; F16/BF16
+//! F32, F16 and BF16 weights against f32 activations: AVX2 (8 lanes, F16C, four
+//! accumulators) and AVX-512 (16 lanes, one accumulator) fused multiply-adds; F16/BF16
 //! dequantization through the hardware conversions. Results agree with the scalar
 //! kernels to rounding (they sum in another order).
 
@@ -98,23 +98,23 @@ unsafe fn dot_avx2<T: Elem>(w: &[T], a: &[f32]) -> f32 {
 
 /// # Safety
 /// AVX-512 F/BW/VL (+ AVX2, FMA, F16C) must be enabled.
+///
+/// The summation order is llama.cpp's on AVX-512 (its F16/F32 products go
+/// through tinyBLAS when the length is a multiple of 16: one 16-lane FMA
+/// accumulator, then a tree reduction), so that float-weight models give its
+/// logits to the last bit or nearly.
 #[inline(always)]
 unsafe fn dot_avx512<T: Elem>(w: &[T], a: &[f32]) -> f32 {
     // SAFETY: caller guarantees the features.
     unsafe {
-        let (wc, wr) = w.as_chunks::<64>();
-        let (ac, ar) = a.as_chunks::<64>();
-        let mut acc = [_mm512_setzero_ps(); 4];
-        for (wc, ac) in wc.iter().zip(ac) {
-            let (w16, _) = wc.as_chunks::<16>();
-            let (a16, _) = ac.as_chunks::<16>();
-            for k in 0..4 {
-                acc[k] = _mm512_fmadd_ps(T::load16(&w16[k]), bytemuck::cast(a16[k]), acc[k]);
-            }
+        let (wc, wr) = w.as_chunks::<16>();
+        let (ac, ar) = a.as_chunks::<16>();
+        let mut acc = _mm512_setzero_ps();
+        for (w16, a16) in wc.iter().zip(ac) {
+            acc = _mm512_fmadd_ps(T::load16(w16), bytemuck::cast(*a16), acc);
         }
-        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-        // The remainder (< 64 elements) through the 8-lane path.
-        _mm512_reduce_add_ps(s) + dot_avx2(wr, ar)
+        // The remainder (< 16 elements) through the 8-lane path.
+        _mm512_reduce_add_ps(acc) + dot_avx2(wr, ar)
     }
 }
 
