@@ -77,7 +77,15 @@ fn unusable_model_files_exit_2() {
 #[test]
 fn prompt_longer_than_context_exits_3() {
     let Some(model) = tiny_llama() else { return };
-    let o = sift(&["run", "-m", model.to_str().unwrap(), "-c", "8", "-p", "one two three four five six seven eight nine ten"]);
+    let o = sift(&[
+        "run",
+        "-m",
+        model.to_str().unwrap(),
+        "-c",
+        "8",
+        "-p",
+        "one two three four five six seven eight nine ten",
+    ]);
     assert_fails(&o, 3, "context");
 }
 
@@ -94,7 +102,18 @@ fn greedy_run_matches_llama_cpp_and_json_is_complete() {
     let reference = common::read_json(&model.parent().unwrap().join("../reference/tiny-llama-greedy.json"));
     let case = &reference["variants"]["flash_attn_off"]["cases"][0];
     let want: Vec<u64> = case["greedy_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
-    let o = sift(&["run", "-m", model.to_str().unwrap(), "-p", "The capital of France is", "-n", "8", "--temp", "0", "--json"]);
+    let o = sift(&[
+        "run",
+        "-m",
+        model.to_str().unwrap(),
+        "-p",
+        "The capital of France is",
+        "-n",
+        "8",
+        "--temp",
+        "0",
+        "--json",
+    ]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
     let got: Vec<u64> = json["token_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
@@ -105,7 +124,8 @@ fn greedy_run_matches_llama_cpp_and_json_is_complete() {
         assert!(json["timings"][key].as_f64().unwrap() >= 0.0, "timings.{key}");
     }
     // Without --json, stdout is exactly the generated text.
-    let plain = sift(&["run", "-m", model.to_str().unwrap(), "-p", "The capital of France is", "-n", "8", "--temp", "0"]);
+    let plain =
+        sift(&["run", "-m", model.to_str().unwrap(), "-p", "The capital of France is", "-n", "8", "--temp", "0"]);
     assert_eq!(stdout(&plain), json["text"].as_str().unwrap());
 }
 
@@ -138,7 +158,8 @@ fn tokenize_prints_llama_cpp_ids() {
 fn perplexity_reports_text_and_json() {
     let Some(model) = tiny_llama() else { return };
     let text = tmp("book.txt");
-    std::fs::write(&text, "It was a bright cold day in April, and the clocks were striking thirteen. ".repeat(12)).unwrap();
+    std::fs::write(&text, "It was a bright cold day in April, and the clocks were striking thirteen. ".repeat(12))
+        .unwrap();
     let args = ["perplexity", "-m", model.to_str().unwrap(), "-f", text.to_str().unwrap(), "-c", "64", "--chunks", "2"];
     let o = sift(&args);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));

@@ -52,7 +52,7 @@ impl RawGguf {
 
     /// Pads to the 32-byte data alignment and appends `n` data bytes.
     fn data(mut self, n: usize) -> Self {
-        while self.bytes.len() % 32 != 0 {
+        while !self.bytes.len().is_multiple_of(32) {
             self.bytes.push(0);
         }
         self.bytes.extend((0..n).map(|i| (i % 7) as u8));
@@ -188,7 +188,10 @@ fn row_not_a_whole_number_of_blocks() {
 #[test]
 fn missing_architecture_key() {
     let dir = scratch_dir("arch");
-    let path = RawGguf::header(b"GGUF", 3, 1, 0).tensor("token_embd.weight", &[8, 4], 0, 0).data(128).write(&dir, "noarch.gguf");
+    let path = RawGguf::header(b"GGUF", 3, 1, 0)
+        .tensor("token_embd.weight", &[8, 4], 0, 0)
+        .data(128)
+        .write(&dir, "noarch.gguf");
     let file = GgufFile::open(&path).unwrap();
     match Model::load(&file) {
         Err(ModelError::Gguf(GgufError::MissingKey { key, .. })) => assert_eq!(key, "general.architecture"),

@@ -78,7 +78,10 @@ fn check_model(model_path: &Path, reference: &Path, logits_dir: &Path) {
             .zip(&logits)
             .map(|(r, o)| (r - o).abs())
             .fold(0.0f32, f32::max);
-        eprintln!("{}: case {c}: max |logit - llama.cpp| at the last prompt position = {max_diff:.3}", model_path.display());
+        eprintln!(
+            "{}: case {c}: max |logit - llama.cpp| at the last prompt position = {max_diff:.3}",
+            model_path.display()
+        );
 
         let top1_ok = cases.iter().any(|v| top_ids(&v["top_logits_last_prompt_pos"])[0] == ours[0]);
         let overlap = cases

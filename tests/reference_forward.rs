@@ -104,7 +104,10 @@ fn write_model(spec: &Spec, seed: u64) -> (PathBuf, Weights) {
         let (b, stored) = if f16 {
             let halves: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f64(v)).collect();
             let bytes = halves.iter().flat_map(|h| h.to_le_bytes()).collect();
-            (b.add_tensor(name.clone(), shape, TensorType::F16, bytes).unwrap(), halves.iter().map(|h| h.to_f64()).collect())
+            (
+                b.add_tensor(name.clone(), shape, TensorType::F16, bytes).unwrap(),
+                halves.iter().map(|h| h.to_f64()).collect(),
+            )
         } else {
             let floats: Vec<f32> = values.iter().map(|&v| v as f32).collect();
             let stored = floats.iter().map(|&f| f64::from(f)).collect();
@@ -238,7 +241,10 @@ fn reference_logits(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
                 let kvh = h / (spec.n_head / spec.n_head_kv);
                 let q = &qs[pos][h * hd..(h + 1) * hd];
                 let scores: Vec<f64> = (first..=pos)
-                    .map(|j| q.iter().zip(&ks[j][kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f64>() / (hd as f64).sqrt())
+                    .map(|j| {
+                        q.iter().zip(&ks[j][kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f64>()
+                            / (hd as f64).sqrt()
+                    })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let exps: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
@@ -330,7 +336,17 @@ fn gemma3_with_sliding_window_matches_f64_reference() {
     // Seven layers: layer 5 is global, the others slide over a 4-token window,
     // which the 14-token sequence overruns several times.
     check(
-        Spec { arch: "gemma3", n_layer: 7, n_head_kv: 1, head_dim: 32, window: Some(4), rope_base: 1e6, eps: 1e-6, tied: true, ..LLAMA },
+        Spec {
+            arch: "gemma3",
+            n_layer: 7,
+            n_head_kv: 1,
+            head_dim: 32,
+            window: Some(4),
+            rope_base: 1e6,
+            eps: 1e-6,
+            tied: true,
+            ..LLAMA
+        },
         4,
     );
 }

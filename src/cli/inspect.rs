@@ -69,8 +69,14 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     println!("parameters    {:.1} M", n_params as f64 / 1e6);
     println!("vocabulary    {} tokens (BOS {:?}, EOS {:?})", tokenizer.vocab_size(), tokenizer.bos(), tokenizer.eos());
     println!("layers        {} x (embd {}, ffn {})", hp.n_layer, hp.n_embd, hp.n_ff);
-    println!("attention     {} heads, {} KV heads, head dim {}/{}", hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v);
-    println!("rope          {:?}, {} dims, base {} (sliding layers {})", hp.rope.style, hp.rope.n_rot, hp.rope.base, hp.rope.base_sliding);
+    println!(
+        "attention     {} heads, {} KV heads, head dim {}/{}",
+        hp.n_head, hp.n_head_kv, hp.head_dim_k, hp.head_dim_v
+    );
+    println!(
+        "rope          {:?}, {} dims, base {} (sliding layers {})",
+        hp.rope.style, hp.rope.n_rot, hp.rope.base, hp.rope.base_sliding
+    );
     match hp.sliding_window {
         Some(w) => println!(
             "sliding       window {w} on {} of {} layers",
@@ -87,6 +93,9 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     }
     println!("memory");
     println!("  weights     {:.1} MiB (memory-mapped)", mib(weight_bytes));
-    println!("  KV cache    {:.1} MiB at -c {n_ctx} (f16; {kv_per_token} bytes per token in global layers)", mib(kv_bytes));
+    println!(
+        "  KV cache    {:.1} MiB at -c {n_ctx} (f16; {kv_per_token} bytes per token in global layers)",
+        mib(kv_bytes)
+    );
     Ok(())
 }

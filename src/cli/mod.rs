@@ -110,7 +110,10 @@ fn read_stdin() -> anyhow::Result<String> {
     let mut bytes = Vec::new();
     std::io::stdin().read_to_end(&mut bytes).context("reading standard input")?;
     String::from_utf8(bytes).map_err(|e| {
-        anyhow::Error::new(InputError(format!("standard input is not valid UTF-8 (byte {})", e.utf8_error().valid_up_to())))
+        anyhow::Error::new(InputError(format!(
+            "standard input is not valid UTF-8 (byte {})",
+            e.utf8_error().valid_up_to()
+        )))
     })
 }
 
@@ -129,7 +132,11 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
         if cause.is::<Usage>() {
             return EXIT_USAGE;
         }
-        if cause.is::<GgufError>() || cause.is::<ModelError>() || cause.is::<TokenizerError>() || cause.is::<InputError>() {
+        if cause.is::<GgufError>()
+            || cause.is::<ModelError>()
+            || cause.is::<TokenizerError>()
+            || cause.is::<InputError>()
+        {
             return EXIT_MODEL;
         }
         if let Some(EngineError::PromptTooLong { .. } | EngineError::ContextFull { .. }) = cause.downcast_ref() {
@@ -150,7 +157,9 @@ pub fn context_size(requested: Option<usize>, n_ctx_train: usize) -> anyhow::Res
         Some(0) => Err(anyhow::Error::new(Usage("-c must be at least 1".into()))),
         Some(c) => {
             if c > n_ctx_train {
-                eprintln!("sift: warning: -c {c} exceeds the model's training context of {n_ctx_train}; quality may drop");
+                eprintln!(
+                    "sift: warning: -c {c} exceeds the model's training context of {n_ctx_train}; quality may drop"
+                );
             }
             Ok(c)
         }

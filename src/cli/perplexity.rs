@@ -34,9 +34,10 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     if args.ctx < 2 {
         return Err(anyhow::Error::new(super::Usage("-c must be at least 2 for perplexity".into())));
     }
-    let bytes = std::fs::read(&args.file)
-        .map_err(|e| InputError(format!("{}: cannot read: {e}", args.file.display())))?;
-    let text = String::from_utf8(bytes).map_err(|_| InputError(format!("{}: not valid UTF-8 text", args.file.display())))?;
+    let bytes =
+        std::fs::read(&args.file).map_err(|e| InputError(format!("{}: cannot read: {e}", args.file.display())))?;
+    let text =
+        String::from_utf8(bytes).map_err(|_| InputError(format!("{}: not valid UTF-8 text", args.file.display())))?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;

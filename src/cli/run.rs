@@ -3,7 +3,7 @@
 use std::io::Write;
 
 use clap::Args;
-use sift::engine::Session;
+use sift::engine::{EngineError, Session};
 use sift::generate::generate;
 use sift::model::Model;
 use sift::sample::{Sampler, SamplingParams};
@@ -54,6 +54,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let model = Model::load(&file)?;
     let n_ctx = context_size(args.ctx, model.hp.n_ctx_train)?;
     let prompt_ids = tokenizer.encode(&prompt, true, false)?;
+    if prompt_ids.len() > n_ctx {
+        return Err(EngineError::PromptTooLong { prompt: prompt_ids.len(), n_ctx }.into());
+    }
     let seed = args.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
     });

@@ -94,7 +94,8 @@ impl GgufFile {
         let reader = GGUFFileReader::new(Cursor::new(bytes)).map_err(|e| malformed(describe_parse_error(e)))?;
 
         let version = reader.header().version;
-        let data_start = to_usize(reader.tensor_data_offset()).ok_or_else(|| malformed("tensor data offset overflows".into()))?;
+        let data_start =
+            to_usize(reader.tensor_data_offset()).ok_or_else(|| malformed("tensor data offset overflows".into()))?;
         let alignment = to_usize(reader.tensor_alignment()).ok_or_else(|| malformed("alignment overflows".into()))?;
         let metadata: HashMap<String, MetadataValue> =
             reader.metadata().iter().map(|(k, v)| (k.clone(), v.clone())).collect();
@@ -122,13 +123,17 @@ impl GgufFile {
                 .try_fold(1usize, |acc, &d| acc.checked_mul(d))
                 .ok_or_else(|| bad(format!("shape {dims:?} overflows")))?;
             let row_bytes = ty.row_bytes(row_len).ok_or_else(|| {
-                bad(format!("row length {row_len} is not a multiple of the {}-element {} block", ty.block_elems(), ty.name()))
+                bad(format!(
+                    "row length {row_len} is not a multiple of the {}-element {} block",
+                    ty.block_elems(),
+                    ty.name()
+                ))
             })?;
             let n_bytes = row_bytes.checked_mul(n_rows).ok_or_else(|| bad(format!("shape {dims:?} overflows")))?;
             let offset = to_usize(raw.data_offset())
                 .and_then(|o| o.checked_add(data_start))
                 .ok_or_else(|| bad("offset overflows".into()))?;
-            if offset % alignment != 0 {
+            if !offset.is_multiple_of(alignment) {
                 return Err(bad(format!("data offset {offset} is not aligned to {alignment} bytes")));
             }
             match offset.checked_add(n_bytes) {
@@ -263,10 +268,17 @@ impl GgufFile {
         GgufError::MissingKey { path: self.path.clone(), key: key.to_string() }
     }
 
-    fn array<'a, T>(&'a self, key: &str, expected: &'static str, item: impl Fn(&'a MetadataValue) -> Option<T>) -> Result<Option<Vec<T>>> {
+    fn array<'a, T>(
+        &'a self,
+        key: &str,
+        expected: &'static str,
+        item: impl Fn(&'a MetadataValue) -> Option<T>,
+    ) -> Result<Option<Vec<T>>> {
         self.value(key)
             .map(|v| match v {
-                MetadataValue::Array(a) => a.values.iter().map(&item).collect::<Option<Vec<T>>>().ok_or_else(|| self.wrong(key, expected)),
+                MetadataValue::Array(a) => {
+                    a.values.iter().map(&item).collect::<Option<Vec<T>>>().ok_or_else(|| self.wrong(key, expected))
+                }
                 _ => Err(self.wrong(key, expected)),
             })
             .transpose()
@@ -304,7 +316,11 @@ fn describe_parse_error(e: gguf_rs_lib::error::GGUFError) -> String {
         other => {
             let text = other.to_string();
             // The parser reads through a cursor, so a short read surfaces as an I/O error.
-            if text.contains("failed to fill whole buffer") { "file is truncated".to_string() } else { text }
+            if text.contains("failed to fill whole buffer") {
+                "file is truncated".to_string()
+            } else {
+                text
+            }
         }
     }
 }

@@ -76,7 +76,7 @@ impl HParams {
         let n_layer = req_usize(key::BLOCK_COUNT)?;
         let n_head = req_usize(key::HEAD_COUNT)?;
         let n_head_kv = file.usize(&k(key::HEAD_COUNT_KV))?.unwrap_or(n_head);
-        let default_head_dim = if n_head > 0 { n_embd / n_head } else { 0 };
+        let default_head_dim = n_embd.checked_div(n_head).unwrap_or(0);
         let head_dim_k = file.usize(&k(key::KEY_LENGTH))?.unwrap_or(default_head_dim);
         let head_dim_v = file.usize(&k(key::VALUE_LENGTH))?.unwrap_or(head_dim_k);
         let n_rot = file.usize(&k(key::ROPE_DIMENSION_COUNT))?.unwrap_or(head_dim_k);
@@ -146,7 +146,12 @@ impl HParams {
 /// `rope.scaling.*`: linear scaling gives a position multiplier; Llama 3
 /// scaling gives per-frequency divisors (converters usually store those as
 /// the `rope_freqs.weight` tensor instead, which the weights loader reads).
-fn rope_scaling(file: &GgufFile, k: &dyn Fn(&str) -> String, n_rot: usize, base: f32) -> Result<(f32, Option<Vec<f32>>)> {
+fn rope_scaling(
+    file: &GgufFile,
+    k: &dyn Fn(&str) -> String,
+    n_rot: usize,
+    base: f32,
+) -> Result<(f32, Option<Vec<f32>>)> {
     let factor = file.f32(&k(key::ROPE_SCALING_FACTOR))?.filter(|&f| f > 0.0);
     match (file.str(&k(key::ROPE_SCALING_TYPE))?, factor) {
         (Some("linear") | None, Some(f)) => Ok((1.0 / f, None)),

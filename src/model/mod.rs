@@ -98,8 +98,12 @@ impl<'a> Model<'a> {
     /// Bytes of weights a decoded token streams through (every matrix once).
     pub fn weight_bytes(&self) -> usize {
         let m = |m: &crate::matmul::Matrix| m.rows * m.ty.row_bytes(m.cols).unwrap_or(0);
-        let layers: usize =
-            self.w.layers.iter().map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].map(m).iter().sum::<usize>()).sum();
+        let layers: usize = self
+            .w
+            .layers
+            .iter()
+            .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].map(m).iter().sum::<usize>())
+            .sum();
         layers + m(&self.w.output)
     }
 
@@ -219,10 +223,10 @@ fn check_hparams(file: &GgufFile, hp: &HParams) -> Result<(), ModelError> {
     if hp.n_embd == 0 || hp.n_layer == 0 || hp.n_head == 0 || hp.n_head_kv == 0 || hp.n_ff == 0 || hp.n_vocab == 0 {
         return Err(bad("a model dimension is zero".into()));
     }
-    if hp.n_head % hp.n_head_kv != 0 {
+    if !hp.n_head.is_multiple_of(hp.n_head_kv) {
         return Err(bad(format!("{} query heads do not share {} KV heads evenly", hp.n_head, hp.n_head_kv)));
     }
-    if hp.rope.n_rot > hp.head_dim_k || hp.rope.n_rot % 2 != 0 {
+    if hp.rope.n_rot > hp.head_dim_k || !hp.rope.n_rot.is_multiple_of(2) {
         return Err(bad(format!("RoPE dimension {} does not fit head size {}", hp.rope.n_rot, hp.head_dim_k)));
     }
     if hp.n_layer > 4096 || hp.head_dim_k > 4096 || hp.head_dim_v > 4096 {

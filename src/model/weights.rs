@@ -118,6 +118,9 @@ impl<'a> Loader<'a> {
     }
 
     fn shape_error(&self, tensor: &str, got: &[usize], want: &[usize]) -> ModelError {
-        ModelError::Shape(format!("{}: tensor '{tensor}' has shape {got:?}, expected {want:?}", self.file.path().display()))
+        ModelError::Shape(format!(
+            "{}: tensor '{tensor}' has shape {got:?}, expected {want:?}",
+            self.file.path().display()
+        ))
     }
 }

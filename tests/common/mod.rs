@@ -13,10 +13,7 @@ pub fn repo_root() -> PathBuf {
 pub fn default_model() -> PathBuf {
     let path = repo_root().join("models/gemma-3-270m-Q4_K_M.gguf");
     if !path.exists() {
-        let status = Command::new("bash")
-            .arg(repo_root().join("models/fetch"))
-            .status()
-            .expect("run models/fetch");
+        let status = Command::new("bash").arg(repo_root().join("models/fetch")).status().expect("run models/fetch");
         assert!(status.success(), "models/fetch failed; the model tests need the default model");
     }
     path

@@ -111,5 +111,4 @@ super::activation_entry_point!(BlockQ8_0);
 #[cfg(test)]
 mod tests {
     use super::*;
-
 }
