@@ -53,10 +53,16 @@ impl<'a> Matrix<'a> {
         let act_bytes = act_ty.row_bytes(self.cols);
         scratch.activations.resize((n_tokens * act_bytes).div_ceil(8), 0);
         let acts = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut scratch.activations)[..n_tokens * act_bytes];
-        acts.par_chunks_mut(act_bytes).zip(x.par_chunks(self.cols)).for_each(|(q, row)| {
+        let quantize = |(q, row): (&mut [u8], &[f32])| {
             k.quantize_activation(act_ty, row, q);
             round_to_weight_precision(self.ty, q);
-        });
+        };
+        // One row (decoding) is too little work to hand to the pool.
+        if n_tokens == 1 {
+            quantize((acts, x));
+        } else {
+            acts.par_chunks_mut(act_bytes).zip(x.par_chunks(self.cols)).for_each(quantize);
+        }
         let acts = &*acts;
 
         let block = self.row_block(n_tokens);

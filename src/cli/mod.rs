@@ -1,6 +1,7 @@
 //! Subcommands and what they share: finding and opening the model, threads,
 //! exit codes.
 
+mod bench;
 mod inspect;
 mod perplexity;
 mod run;
@@ -50,6 +51,8 @@ enum Command {
     Tokenize(tokenize::TokenizeArgs),
     /// Describe a model: architecture, hyper-parameters, tensor types, memory needs.
     Inspect(inspect::InspectArgs),
+    /// Measure prompt processing and generation speed, as llama-bench does.
+    Bench(bench::BenchArgs),
 }
 
 /// Options every model-running command takes.
@@ -61,10 +64,17 @@ pub struct ModelArgs {
     /// Worker threads [default: physical cores]
     #[arg(short, long, env = "SIFT_THREADS")]
     threads: Option<usize>,
+    /// Kernel set: auto picks the best this CPU supports
+    #[arg(long, env = "SIFT_ISA", default_value = "auto", value_parser = ["auto", "scalar", "avx2", "avx512"])]
+    isa: String,
 }
 
 impl ModelArgs {
     pub fn open(&self) -> anyhow::Result<GgufFile> {
+        if self.isa != "auto" {
+            let isa: simd::Isa = self.isa.parse().map_err(|e: simd::ParseIsaError| Usage(e.0))?;
+            simd::select_isa(isa).map_err(|e| Usage(e.to_string()))?;
+        }
         sift::threads::init(self.threads.unwrap_or_else(sift::threads::default_threads));
         let path = match &self.model {
             Some(path) => path.clone(),
@@ -92,6 +102,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::Inspect(args) => inspect::run(args),
+        Command::Bench(args) => bench::run(args),
     }
 }
 

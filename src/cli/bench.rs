@@ -1,0 +1,139 @@
+//! `sift bench`: llama-bench's measurements. `pp N` is the rate at which a
+//! fresh N-token prompt is processed; `tg N` the rate of N single-token decode
+//! steps, after a context of `depth` tokens has been prefilled (untimed).
+//! Each test runs once to warm up, then `reps` timed times; tokens are drawn
+//! at random from the vocabulary, after a BOS.
+
+use std::time::Instant;
+
+use clap::Args;
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
+use sift::engine::Session;
+use sift::model::Model;
+
+use super::ModelArgs;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt lengths to test (pp), comma-separated; 0 skips
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    prompts: Vec<usize>,
+    /// Generation lengths to test (tg), comma-separated; 0 skips
+    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    gens: Vec<usize>,
+    /// Context depths to run every test at, comma-separated
+    #[arg(short = 'd', long = "depth", value_delimiter = ',', default_value = "0")]
+    depths: Vec<usize>,
+    /// Timed repetitions per test
+    #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
+    reps: usize,
+    /// Print JSON rows {test, tokens_per_s, stddev, median} instead of a table
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(serde::Serialize)]
+struct Row {
+    test: String,
+    tokens_per_s: f64,
+    stddev: f64,
+    median: f64,
+    samples: Vec<f64>,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.reps == 0 {
+        return Err(super::Usage("-r must be at least 1".into()).into());
+    }
+    let file = args.model.open()?;
+    let model = Model::load(&file)?;
+    let bos = sift::tokenizer::Tokenizer::from_gguf(&file)?.bos();
+    let mut rng = StdRng::seed_from_u64(1234);
+    let n_vocab = model.hp.n_vocab as u32;
+    let mut random_tokens = |n: usize| -> Vec<u32> {
+        (0..n).map(|i| if i == 0 { bos.unwrap_or(0) } else { rng.random_range(0..n_vocab) }).collect()
+    };
+
+    let mut rows = Vec::new();
+    for &depth in &args.depths {
+        let suffix = if depth > 0 { format!(" @ d{depth}") } else { String::new() };
+        for &p in args.prompts.iter().filter(|&&p| p > 0) {
+            let n_ctx = depth + p;
+            let context = random_tokens(depth);
+            let prompt = random_tokens(p);
+            let samples = measure(args.reps, p, || {
+                let mut session = Session::new(&model, n_ctx);
+                if depth > 0 {
+                    session.prefill(&context)?;
+                }
+                let t = Instant::now();
+                session.prefill(&prompt)?;
+                Ok(t.elapsed().as_secs_f64())
+            })?;
+            rows.push(row(format!("pp{p}{suffix}"), samples));
+        }
+        for &n in args.gens.iter().filter(|&&n| n > 0) {
+            let n_ctx = depth + n + 1;
+            let context = random_tokens(depth.max(1));
+            let steps = random_tokens(n);
+            let samples = measure(args.reps, n, || {
+                let mut session = Session::new(&model, n_ctx);
+                session.prefill(&context)?;
+                let t = Instant::now();
+                for &token in &steps {
+                    session.decode(token)?;
+                }
+                Ok(t.elapsed().as_secs_f64())
+            })?;
+            rows.push(row(format!("tg{n}{suffix}"), samples));
+        }
+    }
+
+    if args.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
+        return Ok(());
+    }
+    let gib = file.tensors().iter().map(|t| t.n_bytes).sum::<usize>() as f64 / (1u64 << 30) as f64;
+    println!("| model | size | threads | isa | test | t/s | median |");
+    println!("| --- | ---: | ---: | --- | --- | ---: | ---: |");
+    for r in &rows {
+        println!(
+            "| {} {} | {gib:.2} GiB | {} | {} | {} | {:.2} ± {:.2} | {:.2} |",
+            model.hp.arch.gguf_name(),
+            model.hp.name,
+            rayon::current_num_threads(),
+            simd::kernels().isa(),
+            r.test,
+            r.tokens_per_s,
+            r.stddev,
+            r.median
+        );
+    }
+    Ok(())
+}
+
+/// One warm-up run, then `reps` timed runs; returns tokens per second of each.
+fn measure(reps: usize, tokens: usize, mut run: impl FnMut() -> anyhow::Result<f64>) -> anyhow::Result<Vec<f64>> {
+    run()?;
+    (0..reps).map(|_| run().map(|secs| tokens as f64 / secs)).collect()
+}
+
+fn row(test: String, samples: Vec<f64>) -> Row {
+    let n = samples.len() as f64;
+    let mean = samples.iter().sum::<f64>() / n;
+    let var = samples.iter().map(|s| (s - mean) * (s - mean)).sum::<f64>() / (n - 1.0).max(1.0);
+    let mut sorted = samples.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = if sorted.len() % 2 == 1 {
+        sorted[sorted.len() / 2]
+    } else {
+        (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]) / 2.0
+    };
+    eprintln!("sift: {test}: {mean:.2} t/s (median {median:.2})");
+    Row { test, tokens_per_s: mean, stddev: var.sqrt(), median, samples }
+}
