@@ -1,7 +1,8 @@
-//! The generation loop shared by `run` and (later) `chat`: prefill the
-//! prompt, then sample, stream and decode until an end-of-generation token,
-//! the token limit, or a full context.
+//! The generation loop shared by `run` and `chat`: prefill the prompt, then
+//! sample, stream and decode until an end-of-generation token, a stop string,
+//! the token limit, a full context, or a request to stop.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::engine::{EngineError, Session};
@@ -12,13 +13,27 @@ use crate::tokenizer::{TextStream, Tokenizer};
 #[serde(rename_all = "snake_case")]
 pub enum StopReason {
     EndOfGeneration,
+    StopString,
     TokenLimit,
     ContextFull,
+    Interrupted,
+}
+
+/// When to stop besides an end-of-generation token or a full context.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits<'a> {
+    pub max_tokens: usize,
+    /// Stop once the text contains one of these; the stop string and anything after it are cut.
+    pub stop: &'a [String],
+    /// Set elsewhere (by a Ctrl-C handler) to stop before the next token.
+    pub interrupt: Option<&'a AtomicBool>,
 }
 
 #[derive(Debug, Clone)]
 pub struct Generated {
+    /// Every token sampled, a stop string's included.
     pub tokens: Vec<u32>,
+    /// The text streamed, a stop string's excluded.
     pub text: String,
     pub stop: StopReason,
     pub prompt_tokens: usize,
@@ -28,23 +43,25 @@ pub struct Generated {
     pub decode_steps: usize,
 }
 
-/// `on_text` receives text as soon as it forms valid UTF-8.
+/// Appends `prompt` to the session and generates after it. `on_text` receives text as soon as it
+/// forms valid UTF-8 and cannot be the start of a stop string.
 pub fn generate(
     session: &mut Session,
     tokenizer: &Tokenizer,
     sampler: &mut Sampler,
     prompt: &[u32],
-    max_tokens: usize,
+    limits: Limits,
     mut on_text: impl FnMut(&str),
 ) -> Result<Generated, EngineError> {
-    for &t in prompt {
-        sampler.accept(t);
-    }
     let started = Instant::now();
     let mut logits = session.prefill(prompt)?.to_vec();
     let prefill_time = started.elapsed();
+    for &t in prompt {
+        sampler.accept(t);
+    }
 
     let mut stream = TextStream::new(tokenizer);
+    let mut stops = StopStrings::new(limits.stop);
     let mut out = Generated {
         tokens: Vec::new(),
         text: String::new(),
@@ -54,7 +71,17 @@ pub fn generate(
         decode_time: Duration::ZERO,
         decode_steps: 0,
     };
-    while out.tokens.len() < max_tokens {
+    let mut emit = |out: &mut Generated, text: &str| {
+        if !text.is_empty() {
+            on_text(text);
+            out.text.push_str(text);
+        }
+    };
+    while out.tokens.len() < limits.max_tokens {
+        if limits.interrupt.is_some_and(|flag| flag.load(Ordering::Relaxed)) {
+            out.stop = StopReason::Interrupted;
+            break;
+        }
         let token = sampler.sample(&logits);
         if tokenizer.is_eog(token) {
             out.stop = StopReason::EndOfGeneration;
@@ -62,12 +89,15 @@ pub fn generate(
         }
         sampler.accept(token);
         out.tokens.push(token);
-        let piece = stream.push(token);
-        if !piece.is_empty() {
-            on_text(&piece);
-            out.text.push_str(&piece);
+        match stops.push(&stream.push(token)) {
+            Scan::Go(text) => emit(&mut out, &text),
+            Scan::Stop(text) => {
+                emit(&mut out, &text);
+                out.stop = StopReason::StopString;
+                return Ok(out);
+            }
         }
-        if out.tokens.len() == max_tokens {
+        if out.tokens.len() == limits.max_tokens {
             break;
         }
         if session.n_past() >= session.n_ctx() {
@@ -79,10 +109,94 @@ pub fn generate(
         out.decode_time += step.elapsed();
         out.decode_steps += 1;
     }
-    let rest = stream.finish();
-    if !rest.is_empty() {
-        on_text(&rest);
-        out.text.push_str(&rest);
+    match stops.push(&stream.finish()) {
+        Scan::Go(text) => {
+            emit(&mut out, &text);
+            emit(&mut out, &stops.finish());
+        }
+        Scan::Stop(text) => {
+            emit(&mut out, &text);
+            out.stop = StopReason::StopString;
+        }
     }
     Ok(out)
+}
+
+/// Watches the generated text for stop strings. Text that could be the start of one is held back
+/// until the next tokens show whether it is, so no part of a stop string is ever streamed.
+struct StopStrings<'a> {
+    stops: &'a [String],
+    held: String,
+}
+
+enum Scan {
+    /// Text that is safe to stream.
+    Go(String),
+    /// A stop string was found: the text before it, still to stream.
+    Stop(String),
+}
+
+impl<'a> StopStrings<'a> {
+    fn new(stops: &'a [String]) -> Self {
+        Self { stops, held: String::new() }
+    }
+
+    fn push(&mut self, text: &str) -> Scan {
+        self.held.push_str(text);
+        let found = self.stops.iter().filter(|s| !s.is_empty()).filter_map(|s| self.held.find(s.as_str())).min();
+        if let Some(at) = found {
+            self.held.truncate(at);
+            return Scan::Stop(std::mem::take(&mut self.held));
+        }
+        // The longest tail of the held text that some stop string starts with stays held.
+        let keep_from = self.held.char_indices().map(|(i, _)| i).find(|&i| {
+            let tail = &self.held[i..];
+            self.stops.iter().any(|s| s.starts_with(tail))
+        });
+        let ready = keep_from.unwrap_or(self.held.len());
+        let rest = self.held.split_off(ready);
+        Scan::Go(std::mem::replace(&mut self.held, rest))
+    }
+
+    /// The text still held back: at the end, it was no stop string after all.
+    fn finish(self) -> String {
+        self.held
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Streams `pieces` through the stop strings: what comes out, and whether it stopped.
+    fn scan(stops: &[&str], pieces: &[&str]) -> (String, bool) {
+        let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
+        let mut matcher = StopStrings::new(&stops);
+        let mut out = String::new();
+        for piece in pieces {
+            match matcher.push(piece) {
+                Scan::Go(text) => out += &text,
+                Scan::Stop(text) => return (out + &text, true),
+            }
+        }
+        (out + &matcher.finish(), false)
+    }
+
+    #[test]
+    fn stop_strings_are_cut_even_across_pieces() {
+        assert_eq!(scan(&["\n\n"], &["Paris", ".\n", "\nThe"]), ("Paris.".into(), true));
+        assert_eq!(scan(&["END"], &["a", "bE", "N", "Dc"]), ("ab".into(), true));
+        assert_eq!(scan(&["END", "b"], &["aEN", "b"]), ("aEN".into(), true));
+        assert_eq!(scan(&["END"], &["aEN", "d"]), ("aENd".into(), false));
+        assert_eq!(scan(&["é!"], &["caf", "é", " ok"]), ("café ok".into(), false));
+        assert_eq!(scan(&[], &["no", " stops"]), ("no stops".into(), false));
+    }
+
+    #[test]
+    fn held_text_is_released_once_it_cannot_start_a_stop_string() {
+        let stops = vec!["STOP".to_string()];
+        let mut matcher = StopStrings::new(&stops);
+        assert!(matches!(matcher.push("xST"), Scan::Go(text) if text == "x"));
+        assert!(matches!(matcher.push("A"), Scan::Go(text) if text == "STA"));
+    }
 }

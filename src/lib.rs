@@ -4,9 +4,11 @@
 //! tensors into a transformer and runs the forward pass top-down, calling
 //! [`matmul`] for quantized products and [`attn`] for attention over the
 //! [`kv`] cache; [`engine`] drives prefill and decoding for a session;
-//! [`sample`] picks tokens; [`tokenizer`] maps text to ids and back.
+//! [`sample`] picks tokens; [`tokenizer`] maps text to ids and back; [`generate`]
+//! runs the loop of the two, and [`chat`] renders conversations for it.
 
 pub mod attn;
+pub mod chat;
 pub mod engine;
 pub mod generate;
 pub mod gguf;

@@ -53,7 +53,7 @@ fn tmp(name: &str) -> PathBuf {
 fn help_lists_the_subcommands() {
     let o = sift(&["--help"]);
     assert_eq!(o.status.code(), Some(0));
-    for sub in ["run", "perplexity", "tokenize", "inspect", "Exit codes"] {
+    for sub in ["run", "chat", "perplexity", "tokenize", "inspect", "completions", "Exit codes"] {
         assert!(stdout(&o).contains(sub), "--help lacks {sub}");
     }
 }
@@ -75,6 +75,21 @@ fn unusable_model_files_exit_2() {
 }
 
 #[test]
+fn unsupported_architecture_exits_2() {
+    let Some(model) = tiny_llama() else { return };
+    let mut bytes = std::fs::read(model).unwrap();
+    let key = b"general.architecture";
+    let at = bytes.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    // The value follows the key: type 8 (string), length 5, "llama".
+    assert_eq!(&bytes[at + 12..at + 17], b"llama");
+    bytes[at + 12..at + 17].copy_from_slice(b"mamba");
+    let patched = tmp("mamba.gguf");
+    std::fs::write(&patched, bytes).unwrap();
+    let o = sift(&["run", "-m", patched.to_str().unwrap(), "-p", "hi"]);
+    assert_fails(&o, 2, "architecture 'mamba' is not supported");
+}
+
+#[test]
 fn prompt_longer_than_context_exits_3() {
     let Some(model) = tiny_llama() else { return };
     let o = sift(&[
@@ -86,6 +101,9 @@ fn prompt_longer_than_context_exits_3() {
         "-p",
         "one two three four five six seven eight nine ten",
     ]);
+    assert_fails(&o, 3, "context");
+    // The chat template makes the prompt longer still.
+    let o = sift(&["run", "-m", model.to_str().unwrap(), "-c", "8", "--chat", "-p", "one two"]);
     assert_fails(&o, 3, "context");
 }
 
@@ -182,4 +200,103 @@ fn inspect_describes_the_model() {
     assert_eq!(json["architecture"], "llama");
     assert_eq!(json["hparams"]["n_head_kv"], 2);
     assert!(json["memory"]["kv_bytes_per_token"].as_u64().unwrap() > 0);
+}
+
+/// The greedy continuation of the tiny Llama, as `run` prints it.
+fn tiny_greedy(model: &str, extra: &[&str]) -> Output {
+    sift(&[&["run", "-m", model, "-p", "The capital of France is", "--temp", "0"], extra].concat())
+}
+
+#[test]
+fn zero_tokens_reads_the_prompt_and_generates_nothing() {
+    let Some(model) = tiny_llama() else { return };
+    let o = tiny_greedy(model.to_str().unwrap(), &["-n", "0", "--json"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!((json["prompt_tokens"].as_u64(), json["tokens"].as_u64()), (Some(6), Some(0)));
+    let o = tiny_greedy(model.to_str().unwrap(), &["-n", "0"]);
+    assert_eq!((o.status.code(), stdout(&o)), (Some(0), String::new()));
+}
+
+#[test]
+fn context_beyond_training_is_allowed_with_a_warning() {
+    let Some(model) = tiny_llama() else { return };
+    let o = tiny_greedy(model.to_str().unwrap(), &["-n", "2", "-c", "4096"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("warning: -c 4096 exceeds the model's training context of 2048"), "{}", stderr(&o));
+}
+
+#[test]
+fn stop_strings_end_the_text_and_are_cut() {
+    let Some(model) = tiny_llama() else { return };
+    let m = model.to_str().unwrap();
+    let full = stdout(&tiny_greedy(m, &["-n", "8"]));
+    let word = full.split_whitespace().nth(2).expect("three words in eight tokens");
+    let want = &full[..full.find(word).unwrap()];
+    let o = tiny_greedy(m, &["--max-tokens", "8", "--stop", "no such text", "--stop", word]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stdout(&o), want);
+    let o = tiny_greedy(m, &["-n", "8", "--stop", word, "--json"]);
+    let json: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!((json["text"].as_str(), json["stop"].as_str()), (Some(want), Some("stop_string")));
+    assert_eq!(tiny_greedy(m, &["--stop", ""]).status.code(), Some(1), "an empty stop string is a usage error");
+}
+
+#[test]
+fn quiet_leaves_stderr_empty() {
+    let Some(model) = tiny_llama() else { return };
+    let o = tiny_greedy(model.to_str().unwrap(), &["-n", "4", "--quiet", "--chat"]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert_eq!(stderr(&o), "");
+    assert!(!o.stdout.is_empty());
+}
+
+#[test]
+fn chat_flag_wraps_the_prompt_in_the_template() {
+    let Some(model) = tiny_llama() else { return };
+    let m = model.to_str().unwrap();
+    let template = tmp("brackets.jinja");
+    std::fs::write(&template, "{{ bos_token }}[[{{ messages[-1].content }}]]").unwrap();
+    let args = ["run", "-m", m, "-n", "6", "--temp", "0", "--json"];
+    let templated = sift(&[&args[..], &["--chat-template", template.to_str().unwrap(), "-p", "Paris"]].concat());
+    let raw = sift(&[&args[..], &["-p", "[[Paris]]"]].concat());
+    assert_eq!(templated.status.code(), Some(0), "{}", stderr(&templated));
+    assert!(stderr(&templated).contains(&format!("chat template from {}", template.display())));
+    let json = |o: &Output| -> serde_json::Value { serde_json::from_str(stdout(o).trim()).unwrap() };
+    let (templated, raw) = (json(&templated), json(&raw));
+    assert_eq!(templated["prompt_tokens"], raw["prompt_tokens"]);
+    assert_eq!(templated["token_ids"], raw["token_ids"]);
+    // Without a template in the file, Llama 2's built-in one, system text and all.
+    let o = sift(&[&args[..], &["--system", "Be brief.", "-p", "Hi"]].concat());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stderr(&o).contains("using the built-in llama2 template"), "{}", stderr(&o));
+    let tokens = sift(&["tokenize", "-m", m, "-p", "[INST] <<SYS>>\nBe brief.\n<</SYS>>\n\nHi [/INST]"]);
+    let want = stdout(&tokens).split_whitespace().count();
+    assert_eq!(json(&o)["prompt_tokens"].as_u64(), Some(want as u64));
+}
+
+#[test]
+fn bad_chat_templates_exit_2() {
+    let Some(model) = tiny_llama() else { return };
+    let m = model.to_str().unwrap();
+    let o = sift(&["run", "-m", m, "-p", "hi", "--chat-template", "/nonexistent/t.jinja"]);
+    assert_fails(&o, 2, "cannot read the chat template /nonexistent/t.jinja");
+    let broken = tmp("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}{{ m.content }}").unwrap();
+    let o = sift(&["run", "-m", m, "-p", "hi", "--chat-template", broken.to_str().unwrap()]);
+    assert_fails(&o, 2, "does not compile");
+    let raising = tmp("raising.jinja");
+    std::fs::write(&raising, "{{ raise_exception('no system role here') }}").unwrap();
+    let o = sift(&["run", "-m", m, "-p", "hi", "--chat-template", raising.to_str().unwrap()]);
+    assert_fails(&o, 2, "no system role here");
+}
+
+#[test]
+fn completions_for_each_shell() {
+    for shell in ["bash", "zsh", "fish"] {
+        let o = sift(&["completions", shell]);
+        assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+        assert!(stdout(&o).contains("chat") && stdout(&o).contains("max-tokens"), "{shell}: {}", stdout(&o));
+    }
+    assert_eq!(sift(&["completions", "tcsh"]).status.code(), Some(1));
 }

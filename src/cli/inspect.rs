@@ -67,7 +67,13 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     println!("file          {} ({:.1} MiB, GGUF v{})", file.path().display(), mib(file.file_size()), file.version());
     println!("architecture  {} {}", hp.arch.gguf_name(), hp.name);
     println!("parameters    {:.1} M", n_params as f64 / 1e6);
-    println!("vocabulary    {} tokens (BOS {:?}, EOS {:?})", tokenizer.vocab_size(), tokenizer.bos(), tokenizer.eos());
+    let id = |t: Option<u32>| t.map_or("none".to_string(), |t| t.to_string());
+    println!(
+        "vocabulary    {} tokens (BOS {}, EOS {})",
+        tokenizer.vocab_size(),
+        id(tokenizer.bos()),
+        id(tokenizer.eos())
+    );
     println!("layers        {} x (embd {}, ffn {})", hp.n_layer, hp.n_embd, hp.n_ff);
     println!(
         "attention     {} heads, {} KV heads, head dim {}/{}",

@@ -2,6 +2,7 @@
 //! exit codes.
 
 mod bench;
+mod chat;
 mod inspect;
 mod perplexity;
 mod run;
@@ -11,7 +12,8 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, Parser, Subcommand};
+use sift::chat::ChatError;
 use sift::engine::EngineError;
 use sift::gguf::{GgufError, GgufFile};
 use sift::model::ModelError;
@@ -43,8 +45,10 @@ pub struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate a continuation of a prompt (no chat template).
+    /// Generate a continuation of a prompt (the chat template only with --chat).
     Run(run::RunArgs),
+    /// Talk with the model in turns, with its chat template; piped input is one message a line.
+    Chat(chat::ChatArgs),
     /// Measure perplexity of a text file, as llama-perplexity does.
     Perplexity(perplexity::PerplexityArgs),
     /// Print the token ids of a text.
@@ -53,6 +57,11 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Measure prompt processing and generation speed, as llama-bench does.
     Bench(bench::BenchArgs),
+    /// Print a shell completion script, e.g. `source <(sift completions bash)`.
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 /// Options every model-running command takes.
@@ -99,10 +108,15 @@ impl ModelArgs {
 pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
+        Command::Chat(args) => chat::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Completions { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "sift", &mut std::io::stdout());
+            Ok(())
+        }
     }
 }
 
@@ -147,6 +161,7 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
             || cause.is::<ModelError>()
             || cause.is::<TokenizerError>()
             || cause.is::<InputError>()
+            || cause.is::<ChatError>()
         {
             return EXIT_MODEL;
         }

@@ -1,14 +1,18 @@
 //! `sift run`: one prompt in, its continuation out.
 
 use std::io::Write;
+use std::path::PathBuf;
 
+use clap::builder::NonEmptyStringValueParser;
 use clap::Args;
+use sift::chat::{self, ChatTemplate, Message};
 use sift::engine::{EngineError, Session};
-use sift::generate::generate;
+use sift::generate::{generate, Limits};
 use sift::model::Model;
 use sift::sample::{Sampler, SamplingParams};
 use sift::tokenizer::Tokenizer;
 
+use super::chat::announce_template;
 use super::{context_size, read_prompt, ModelArgs};
 
 #[derive(Args)]
@@ -18,12 +22,37 @@ pub struct RunArgs {
     /// Prompt text; `-` (or no -p with input piped in) reads standard input
     #[arg(short, long)]
     prompt: Option<String>,
-    /// Tokens to generate at most
-    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
+    /// Tokens to generate at most; 0 reads the prompt and generates nothing
+    #[arg(short = 'n', long = "n-predict", visible_alias = "max-tokens", default_value_t = 128)]
     n_predict: usize,
+    /// Stop when the text contains STR, which is left out of the output (repeatable)
+    #[arg(long, value_name = "STR", value_parser = NonEmptyStringValueParser::new())]
+    stop: Vec<String>,
+    /// Wrap the prompt in the chat template, as the user's message
+    #[arg(long)]
+    chat: bool,
+    /// System prompt for --chat (implies --chat)
+    #[arg(long, value_name = "TEXT")]
+    system: Option<String>,
+    /// Jinja chat template to use instead of the model's (implies --chat)
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
+    /// Print one JSON object instead of streaming text
+    #[arg(long)]
+    json: bool,
+    /// No information lines on stderr (warnings and errors still come)
+    #[arg(short, long)]
+    quiet: bool,
+    #[command(flatten)]
+    generation: GenerationArgs,
+}
+
+/// Context size and sampling, shared with `chat`.
+#[derive(Args)]
+pub struct GenerationArgs {
     /// Context size in tokens [default: 4096, or the model's if smaller]
     #[arg(short = 'c', long = "ctx-size")]
-    ctx: Option<usize>,
+    pub ctx: Option<usize>,
     /// Sampling temperature; 0 is greedy
     #[arg(long = "temp", default_value_t = 0.8)]
     temperature: f32,
@@ -42,9 +71,23 @@ pub struct RunArgs {
     /// Random seed [default: from the clock]
     #[arg(long)]
     seed: Option<u64>,
-    /// Print one JSON object instead of streaming text
-    #[arg(long)]
-    json: bool,
+}
+
+impl GenerationArgs {
+    pub fn sampling(&self) -> SamplingParams {
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+        });
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            seed,
+            ..SamplingParams::default()
+        }
+    }
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -52,34 +95,43 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
-    let n_ctx = context_size(args.ctx, model.hp.n_ctx_train)?;
-    let prompt_ids = tokenizer.encode(&prompt, true, false)?;
+    let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
+    let template = if args.chat || args.system.is_some() || args.chat_template.is_some() {
+        Some(ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?)
+    } else {
+        None
+    };
+    let prompt_ids = match &template {
+        Some(template) => {
+            let messages: Vec<Message> =
+                args.system.into_iter().map(Message::system).chain([Message::user(prompt)]).collect();
+            chat::encode(&tokenizer, &template.render(&messages, true)?)?
+        }
+        None => tokenizer.encode(&prompt, true, false)?,
+    };
     if prompt_ids.len() > n_ctx {
         return Err(EngineError::PromptTooLong { prompt: prompt_ids.len(), n_ctx }.into());
     }
-    let seed = args.seed.unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-    });
-    let mut sampler = Sampler::new(SamplingParams {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        seed,
-        ..SamplingParams::default()
-    });
+    let sampling = args.generation.sampling();
+    let seed = sampling.seed;
+    let mut sampler = Sampler::new(sampling);
     let mut session = Session::new(&model, n_ctx);
-    eprintln!(
-        "sift: {} ({}), {} prompt tokens, context {n_ctx}, {} threads",
-        file.path().display(),
-        model.hp.arch.gguf_name(),
-        prompt_ids.len(),
-        rayon::current_num_threads()
-    );
+    if !args.quiet {
+        if let Some(template) = &template {
+            announce_template(template);
+        }
+        eprintln!(
+            "sift: {} ({}), {} prompt tokens, context {n_ctx}, {} threads",
+            file.path().display(),
+            model.hp.arch.gguf_name(),
+            prompt_ids.len(),
+            rayon::current_num_threads()
+        );
+    }
 
     let mut stdout = std::io::stdout().lock();
-    let generated = generate(&mut session, &tokenizer, &mut sampler, &prompt_ids, args.n_predict, |text| {
+    let limits = Limits { max_tokens: args.n_predict, stop: &args.stop, interrupt: None };
+    let generated = generate(&mut session, &tokenizer, &mut sampler, &prompt_ids, limits, |text| {
         if !args.json {
             // A closed pipe (`| head`) is not an error worth reporting.
             let _ = stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush());
@@ -108,12 +160,14 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     } else if std::io::IsTerminal::is_terminal(&stdout) {
         writeln!(stdout)?;
     }
-    eprintln!(
-        "sift: prefill {} tokens in {:.0} ms ({prefill_tok_s:.1} tok/s), decode {} tokens in {:.0} ms ({decode_tok_s:.1} tok/s)",
-        generated.prompt_tokens,
-        ms(generated.prefill_time),
-        generated.decode_steps,
-        ms(generated.decode_time),
-    );
+    if !args.quiet {
+        eprintln!(
+            "sift: prefill {} tokens in {:.0} ms ({prefill_tok_s:.1} tok/s), decode {} tokens in {:.0} ms ({decode_tok_s:.1} tok/s)",
+            generated.prompt_tokens,
+            ms(generated.prefill_time),
+            generated.decode_steps,
+            ms(generated.decode_time),
+        );
+    }
     Ok(())
 }

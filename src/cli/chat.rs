@@ -1,0 +1,403 @@
+//! `sift chat`: a conversation with the model.
+//!
+//! Every turn renders the whole conversation with the chat template, but only the tokens that the
+//! KV cache does not hold yet are prefilled: the cache keeps the earlier turns. That works while
+//! the rendered history tokenizes as it did when it went into the cache; when it does not (the
+//! template trims a reply, `/system` changed the first turn), the conversation is prefilled anew
+//! and `/stats` counts it.
+//!
+//! On a terminal, lines are edited with history, and Ctrl-C stops a reply but not the session.
+//! With standard input piped, every line is a message (or a command) and every reply is printed
+//! followed by a newline.
+
+use std::io::{BufRead, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context;
+use clap::Args;
+use rustyline::error::ReadlineError;
+use sift::chat::{self, ChatTemplate, Message, Origin};
+use sift::engine::{EngineError, Session};
+use sift::generate::{generate, Generated, Limits, StopReason};
+use sift::model::Model;
+use sift::sample::{Sampler, SamplingParams};
+use sift::tokenizer::Tokenizer;
+
+use super::run::GenerationArgs;
+use super::{context_size, InputError, ModelArgs, Usage};
+
+#[derive(Args)]
+pub struct ChatArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// System prompt (Gemma, which has no system role, reads it at the start of the first message)
+    #[arg(long, value_name = "TEXT")]
+    system: Option<String>,
+    /// Tokens per reply at most
+    #[arg(short = 'n', long = "n-predict", visible_alias = "max-tokens", default_value_t = 1024)]
+    n_predict: usize,
+    /// Jinja chat template to use instead of the model's
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
+    /// No information lines on stderr (warnings and errors still come)
+    #[arg(short, long)]
+    quiet: bool,
+    #[command(flatten)]
+    generation: GenerationArgs,
+}
+
+const HELP: &str = "\
+/help          this list
+/reset         forget the conversation (the system prompt stays)
+/system TEXT   set the system prompt; /system alone removes it
+/save FILE     write the conversation as JSON
+/load FILE     read a conversation saved with /save and prefill it
+/stats         prompt tokens prefilled (in all and per turn), cache fill, speeds
+/prompt        the conversation as the chat template renders it
+/exit          leave (Ctrl-D too)
+";
+
+/// Set by Ctrl-C while a reply is streaming.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+pub fn run(args: ChatArgs) -> anyhow::Result<()> {
+    let file = args.model.open()?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    let model = Model::load(&file)?;
+    let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
+    let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
+    if !args.quiet {
+        eprintln!(
+            "sift: {} ({}), context {n_ctx}, {} threads",
+            file.path().display(),
+            model.hp.arch.gguf_name(),
+            rayon::current_num_threads()
+        );
+        announce_template(&template);
+    }
+    let mut chat = Chat {
+        conversation: Conversation::new(&model, &tokenizer, template, n_ctx, args.generation.sampling()),
+        max_tokens: args.n_predict,
+        quiet: args.quiet,
+    };
+    chat.conversation.set_system(args.system);
+    if std::io::stdin().is_terminal() {
+        chat.interactive()
+    } else {
+        chat.piped()
+    }
+}
+
+/// Says on stderr which template is in use when it is not the model's own.
+pub fn announce_template(template: &ChatTemplate) {
+    match template.origin() {
+        Origin::Model => {}
+        Origin::File(path) => eprintln!("sift: chat template from {}", path.display()),
+        Origin::BuiltIn(built_in) => {
+            eprintln!("sift: the model file has no chat template; using the built-in {} template", built_in.name())
+        }
+    }
+}
+
+/// The conversation and what the KV cache holds of it.
+struct Conversation<'a> {
+    session: Session<'a>,
+    tokenizer: &'a Tokenizer,
+    template: ChatTemplate,
+    sampling: SamplingParams,
+    sampler: Sampler,
+    messages: Vec<Message>,
+    /// The tokens in the KV cache, in order.
+    cached: Vec<u32>,
+    stats: Stats,
+}
+
+#[derive(Default)]
+struct Stats {
+    /// Prompt tokens prefilled for each turn (a `/load` counts as one).
+    prefilled: Vec<usize>,
+    /// Turns whose history no longer tokenized as the cache holds it, and so were prefilled again.
+    re_prefills: usize,
+    last_reply: Option<Generated>,
+}
+
+impl<'a> Conversation<'a> {
+    fn new(
+        model: &'a Model<'a>,
+        tokenizer: &'a Tokenizer,
+        template: ChatTemplate,
+        n_ctx: usize,
+        sampling: SamplingParams,
+    ) -> Self {
+        Self {
+            session: Session::new(model, n_ctx),
+            tokenizer,
+            template,
+            sampler: Sampler::new(sampling.clone()),
+            sampling,
+            messages: Vec::new(),
+            cached: Vec::new(),
+            stats: Stats::default(),
+        }
+    }
+
+    /// Adds the user's message and generates the reply, streaming it to `on_text`.
+    fn reply(&mut self, text: &str, limits: Limits, on_text: impl FnMut(&str)) -> anyhow::Result<StopReason> {
+        self.messages.push(Message::user(text));
+        let stop = self.generate_reply(limits, on_text);
+        if stop.is_err() {
+            self.messages.pop();
+        }
+        stop
+    }
+
+    fn generate_reply(&mut self, limits: Limits, on_text: impl FnMut(&str)) -> anyhow::Result<StopReason> {
+        let ids = chat::encode(self.tokenizer, &self.template.render(&self.messages, true)?)?;
+        let start = self.reuse_cache(&ids)?;
+        let generated = generate(&mut self.session, self.tokenizer, &mut self.sampler, &ids[start..], limits, on_text)?;
+        self.cached = ids;
+        self.cached.extend(&generated.tokens);
+        // The last token sampled is decoded only if generation goes on.
+        self.cached.truncate(self.session.n_past());
+        self.messages.push(Message::assistant(&generated.text));
+        self.stats.prefilled.push(generated.prompt_tokens);
+        Ok(self.stats.last_reply.insert(generated).stop)
+    }
+
+    /// How many of `ids`, the rendered conversation, the cache already holds. A cache that holds
+    /// anything but a prefix of them is emptied.
+    fn reuse_cache(&mut self, ids: &[u32]) -> Result<usize, EngineError> {
+        let n_ctx = self.session.n_ctx();
+        if ids.len() > n_ctx {
+            return Err(if self.cached.is_empty() {
+                EngineError::PromptTooLong { prompt: ids.len(), n_ctx }
+            } else {
+                EngineError::ContextFull { n_ctx }
+            });
+        }
+        if ids.starts_with(&self.cached) {
+            return Ok(self.cached.len());
+        }
+        self.stats.re_prefills += 1;
+        self.clear_cache();
+        Ok(0)
+    }
+
+    fn clear_cache(&mut self) {
+        self.session.reset();
+        self.cached.clear();
+    }
+
+    /// Replaces the system prompt, or removes it. The cache notices at the next turn.
+    fn set_system(&mut self, text: Option<String>) {
+        if self.messages.first().is_some_and(|m| m.role == "system") {
+            self.messages.remove(0);
+        }
+        if let Some(text) = text {
+            self.messages.insert(0, Message::system(text));
+        }
+    }
+
+    /// Forgets everything but the system prompt.
+    fn reset(&mut self) {
+        self.messages.retain(|m| m.role == "system");
+        self.clear_cache();
+        self.sampler = Sampler::new(self.sampling.clone());
+        self.stats = Stats::default();
+    }
+
+    /// Replaces the conversation with `messages` and prefills it.
+    fn load(&mut self, messages: Vec<Message>) -> anyhow::Result<()> {
+        let ids = chat::encode(self.tokenizer, &self.template.render(&messages, false)?)?;
+        let n_ctx = self.session.n_ctx();
+        if ids.len() > n_ctx {
+            return Err(EngineError::PromptTooLong { prompt: ids.len(), n_ctx }.into());
+        }
+        self.reset();
+        if !ids.is_empty() {
+            self.session.prefill(&ids)?;
+        }
+        for &id in &ids {
+            self.sampler.accept(id);
+        }
+        self.stats.prefilled.push(ids.len());
+        self.cached = ids;
+        self.messages = messages;
+        Ok(())
+    }
+
+    fn stats(&self) -> String {
+        let Stats { prefilled, re_prefills, last_reply } = &self.stats;
+        let (n_past, n_ctx) = (self.session.n_past(), self.session.n_ctx());
+        let mut text = format!(
+            "prompt tokens prefilled: {} in all; per turn: {prefilled:?}; re-prefills: {re_prefills}\n\
+             cache: {n_past} of {n_ctx} tokens ({:.1}%)\n",
+            prefilled.iter().sum::<usize>(),
+            100.0 * n_past as f64 / n_ctx as f64,
+        );
+        if let Some(last) = last_reply {
+            let per_s = |n: usize, d: std::time::Duration| if d.is_zero() { 0.0 } else { n as f64 / d.as_secs_f64() };
+            text += &format!(
+                "last reply: prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s\n",
+                last.prompt_tokens,
+                per_s(last.prompt_tokens, last.prefill_time),
+                last.decode_steps,
+                per_s(last.decode_steps, last.decode_time),
+            );
+        }
+        text
+    }
+}
+
+/// The conversation, and how it talks to the user.
+struct Chat<'a> {
+    conversation: Conversation<'a>,
+    max_tokens: usize,
+    quiet: bool,
+}
+
+enum Flow {
+    Continue,
+    Exit,
+}
+
+impl Chat<'_> {
+    fn interactive(&mut self) -> anyhow::Result<()> {
+        ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::Relaxed)).context("installing the Ctrl-C handler")?;
+        let mut editor = rustyline::DefaultEditor::new().context("starting the line editor")?;
+        self.info("type a message, or /help; /exit or Ctrl-D leaves");
+        loop {
+            let line = match editor.readline("> ") {
+                Ok(line) => line,
+                Err(ReadlineError::Interrupted) => {
+                    self.info("(/exit or Ctrl-D leaves)");
+                    continue;
+                }
+                Err(ReadlineError::Eof) => return Ok(()),
+                Err(e) => return Err(e).context("reading the terminal"),
+            };
+            let line = line.trim();
+            if line.is_empty() {
+                continue;
+            }
+            // The history is a convenience: a line it cannot keep is still sent.
+            let _ = editor.add_history_entry(line);
+            match self.handle(line) {
+                Ok(Flow::Continue) => {}
+                Ok(Flow::Exit) => return Ok(()),
+                Err(e) => eprintln!("sift: {e:#}"),
+            }
+        }
+    }
+
+    /// One message or command per line; the first error ends the chat.
+    fn piped(&mut self) -> anyhow::Result<()> {
+        for (number, line) in std::io::stdin().lock().split(b'\n').enumerate() {
+            let line = line.context("reading standard input")?;
+            let line = String::from_utf8(line).map_err(|e| {
+                InputError(format!(
+                    "standard input is not valid UTF-8 (line {}, byte {})",
+                    number + 1,
+                    e.utf8_error().valid_up_to()
+                ))
+            })?;
+            let line = line.trim();
+            if line.is_empty() {
+                continue;
+            }
+            if let Flow::Exit = self.handle(line)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn handle(&mut self, line: &str) -> anyhow::Result<Flow> {
+        let Some(command) = line.strip_prefix('/') else {
+            self.say(line)?;
+            return Ok(Flow::Continue);
+        };
+        let (name, argument) = command.split_once(char::is_whitespace).unwrap_or((command, ""));
+        let argument = argument.trim();
+        let file = || match argument {
+            "" => Err(Usage(format!("/{name} needs a file name"))),
+            path => Ok(Path::new(path)),
+        };
+        match name {
+            "help" => print!("{HELP}"),
+            "reset" => {
+                self.conversation.reset();
+                self.info("conversation cleared");
+            }
+            "system" => {
+                let text = Some(argument.to_string()).filter(|text| !text.is_empty());
+                self.info(if text.is_some() { "system prompt set" } else { "system prompt removed" });
+                self.conversation.set_system(text);
+            }
+            "save" => {
+                let path = file()?;
+                let json = serde_json::json!({ "messages": self.conversation.messages });
+                std::fs::write(path, format!("{json:#}\n"))
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+                self.info(&format!("saved {} messages to {}", self.conversation.messages.len(), path.display()));
+            }
+            "load" => {
+                let path = file()?;
+                self.conversation.load(read_conversation(path)?)?;
+                self.info(&format!("loaded {} messages from {}", self.conversation.messages.len(), path.display()));
+            }
+            "stats" => print!("{}", self.conversation.stats()),
+            "prompt" => {
+                let text = self.conversation.template.render(&self.conversation.messages, false)?;
+                print!("{text}");
+                if !text.ends_with('\n') {
+                    println!();
+                }
+            }
+            "exit" | "quit" => return Ok(Flow::Exit),
+            _ => return Err(Usage(format!("unknown command /{name}; /help lists them")).into()),
+        }
+        std::io::stdout().flush()?;
+        Ok(Flow::Continue)
+    }
+
+    /// Streams the reply to `text` to stdout, and a newline after it.
+    fn say(&mut self, text: &str) -> anyhow::Result<()> {
+        INTERRUPTED.store(false, Ordering::Relaxed);
+        let limits = Limits { max_tokens: self.max_tokens, stop: &[], interrupt: Some(&INTERRUPTED) };
+        let mut stdout = std::io::stdout().lock();
+        // A closed pipe (`| head`) is not an error worth reporting.
+        let stop = self.conversation.reply(text, limits, |piece| {
+            let _ = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush());
+        })?;
+        let _ = writeln!(stdout).and_then(|_| stdout.flush());
+        match stop {
+            StopReason::Interrupted => eprintln!("sift: reply interrupted"),
+            StopReason::ContextFull => {
+                let n_ctx = self.conversation.session.n_ctx();
+                eprintln!("sift: the context of {n_ctx} tokens is full; /reset starts over (a larger -c holds more)");
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    fn info(&self, message: &str) {
+        if !self.quiet {
+            eprintln!("sift: {message}");
+        }
+    }
+}
+
+/// A conversation as `/save` writes it: `{"messages": [{"role": …, "content": …}, …]}`.
+fn read_conversation(path: &Path) -> anyhow::Result<Vec<Message>> {
+    #[derive(serde::Deserialize)]
+    struct Saved {
+        messages: Vec<Message>,
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| InputError(format!("cannot read {}: {e}", path.display())))?;
+    let saved: Saved = serde_json::from_str(&text)
+        .map_err(|e| InputError(format!("{} is not a saved conversation: {e}", path.display())))?;
+    Ok(saved.messages)
+}
