@@ -8,6 +8,17 @@
 //! `p % capacity`): enough that no key a query of the current batch can see
 //! is overwritten by a later token of the same batch, and their memory does
 //! not grow with the context.
+//!
+//! [`page::PagedLayer`] stores a layer in pages of [`PAGE`] tokens in any
+//! [`KvMode`] (`--kv-cache f16|q8|q4|q2`), quantized KIVI-style by [`quant`],
+//! with the key [`sketch`] that bounds scores for certified attention.
+
+pub mod page;
+pub mod quant;
+pub mod sketch;
+
+pub use page::{KvMode, PagedLayer, Storage};
+pub use sketch::{Bounds, KeySketch, PageKeys, ScanQuery, PAGE};
 
 use half::f16;
 

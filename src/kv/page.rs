@@ -1,0 +1,300 @@
+//! One layer's keys and values in pages of [`PAGE`] tokens, in any of the
+//! cache modes.
+//!
+//! Per KV head, the newest pages are *exact*: f16 rows, as appended. In the
+//! f16 mode every page stays exact and each full one also gets a
+//! [`KeySketch`] beside it. In the quantized modes only the newest
+//! `residual / PAGE` pages stay exact (so between `residual - PAGE + 1` and
+//! `residual` of the newest tokens, as KIVI's residual); when a new page
+//! needs their room, the oldest becomes *coded*: its keys per channel over
+//! the page (a sketch whose codes are the keys) and its values per token in
+//! groups of 32. Exact and coded pages are rings of slots allocated up front:
+//! a global layer has room for the whole context, a sliding-window layer for
+//! the pages its window and one batch can touch.
+//!
+//! Keys are stored after RoPE, rotated for the positions they were appended
+//! at, and never rewritten. A later context shift (dropping old tokens and
+//! renumbering the rest) would not re-rotate them, which would requantize
+//! coded pages: it would record per page how far its tokens were renumbered
+//! and rotate the *query* back by that much when scoring the page's keys.
+//! Sketch bounds hold for whatever query they are given, so they survive.
+
+use std::fmt;
+use std::ops::Range;
+use std::str::FromStr;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use super::quant::{Bits, ValueRows};
+use super::sketch::{KeySketch, PageKeys, PAGE};
+use super::CacheShape;
+
+/// Newest tokens the quantized modes keep exact, by default.
+pub const RESIDUAL: usize = 128;
+
+/// How the cache stores keys and values (`--kv-cache`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvMode {
+    /// Exact f16 keys and values, plus the key sketch.
+    #[default]
+    F16,
+    Q8,
+    Q4,
+    Q2,
+}
+
+impl KvMode {
+    pub const ALL: [KvMode; 4] = [KvMode::F16, KvMode::Q8, KvMode::Q4, KvMode::Q2];
+
+    /// The width of coded keys and values; none in the f16 mode.
+    pub fn bits(self) -> Option<Bits> {
+        match self {
+            KvMode::F16 => None,
+            KvMode::Q8 => Some(Bits::Eight),
+            KvMode::Q4 => Some(Bits::Four),
+            KvMode::Q2 => Some(Bits::Two),
+        }
+    }
+
+    fn page_keys(self) -> PageKeys {
+        self.bits().map_or(PageKeys::Exact, PageKeys::Coded)
+    }
+}
+
+impl fmt::Display for KvMode {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(match self {
+            KvMode::F16 => "f16",
+            KvMode::Q8 => "q8",
+            KvMode::Q4 => "q4",
+            KvMode::Q2 => "q2",
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("unknown KV cache mode '{0}' (expected f16, q8, q4 or q2)")]
+pub struct UnknownKvMode(String);
+
+impl FromStr for KvMode {
+    type Err = UnknownKvMode;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        KvMode::ALL.into_iter().find(|m| m.to_string() == s).ok_or_else(|| UnknownKvMode(s.to_string()))
+    }
+}
+
+/// How a cache stores its tokens.
+#[derive(Clone, Copy, Debug)]
+pub struct Storage {
+    pub mode: KvMode,
+    /// The most recent tokens the quantized modes keep exact: a multiple of
+    /// [`PAGE`], at least one page.
+    pub residual: usize,
+}
+
+impl Default for Storage {
+    fn default() -> Self {
+        Self { mode: KvMode::F16, residual: RESIDUAL }
+    }
+}
+
+pub struct PagedLayer {
+    mode: KvMode,
+    n_kv_head: usize,
+    head_dim_k: usize,
+    head_dim_v: usize,
+    window: Option<usize>,
+    /// Ring sizes, in pages.
+    exact_slots: usize,
+    coded_slots: usize,
+    /// `[head][exact slot][token][dim]`.
+    exact_k: Vec<f16>,
+    exact_v: Vec<f16>,
+    /// `[head][slot]`: in the f16 mode one per exact slot, else one per
+    /// coded slot (there, the keys themselves).
+    sketches: Vec<KeySketch>,
+    /// `[head][coded slot]`; empty in the f16 mode.
+    values: Vec<ValueRows>,
+    /// Pages before this one have left the exact slots; the last
+    /// `coded_slots` of them are coded, in slot `page % coded_slots`. The
+    /// exact ones, up to the one holding position `len - 1`, are in slot
+    /// `page % exact_slots`.
+    first_exact: usize,
+    /// Positions stored: `0..len`.
+    len: usize,
+}
+
+impl PagedLayer {
+    /// A layer of `shape` with an optional sliding `window`, for contexts of
+    /// `n_ctx` tokens appended at most `max_batch` at a time.
+    pub fn new(storage: Storage, shape: &CacheShape, window: Option<usize>, n_ctx: usize, max_batch: usize) -> Self {
+        let Storage { mode, residual } = storage;
+        assert!(residual >= PAGE && residual.is_multiple_of(PAGE), "the residual window is whole pages");
+        let all = n_ctx.div_ceil(PAGE);
+        // A window and a batch span fewer than `w + max_batch` positions,
+        // which touch at most one page more than they fill.
+        let pages = window.map_or(all, |w| all.min((w + max_batch).div_ceil(PAGE) + 1));
+        let exact_slots = if mode == KvMode::F16 { pages } else { (residual / PAGE).min(pages) };
+        let coded_slots = pages - exact_slots;
+        let sketch_slots = if mode == KvMode::F16 { exact_slots } else { coded_slots };
+        let n = shape.n_kv_head;
+        let sketches = (0..n * sketch_slots).map(|_| KeySketch::new(shape.head_dim_k, mode.page_keys())).collect();
+        let values = match mode.bits() {
+            Some(bits) => (0..n * coded_slots).map(|_| ValueRows::new(PAGE, shape.head_dim_v, bits)).collect(),
+            None => Vec::new(),
+        };
+        Self {
+            mode,
+            n_kv_head: n,
+            head_dim_k: shape.head_dim_k,
+            head_dim_v: shape.head_dim_v,
+            window,
+            exact_slots,
+            coded_slots,
+            exact_k: vec![f16::ZERO; n * exact_slots * PAGE * shape.head_dim_k],
+            exact_v: vec![f16::ZERO; n * exact_slots * PAGE * shape.head_dim_v],
+            sketches,
+            values,
+            first_exact: 0,
+            len: 0,
+        }
+    }
+
+    pub fn mode(&self) -> KvMode {
+        self.mode
+    }
+
+    /// Stores one token's keys and values (all KV heads, concatenated).
+    /// Positions come in order; storing an earlier one forgets it and all
+    /// after it, which is possible back to position 0 or within the exact
+    /// pages.
+    pub fn store(&mut self, pos: usize, keys: &[f32], values: &[f32]) {
+        assert!(pos <= self.len, "position {pos} stored before position {}", self.len);
+        if pos < self.len {
+            self.rewind(pos);
+        }
+        let (page, t) = (pos / PAGE, pos % PAGE);
+        if t == 0 {
+            self.open(page);
+        }
+        let slot = page % self.exact_slots;
+        let (dk, dv) = (self.head_dim_k, self.head_dim_v);
+        for h in 0..self.n_kv_head {
+            let row = (h * self.exact_slots + slot) * PAGE + t;
+            self.exact_k[row * dk..][..dk].convert_from_f32_slice(&keys[h * dk..][..dk]);
+            self.exact_v[row * dv..][..dv].convert_from_f32_slice(&values[h * dv..][..dv]);
+        }
+        self.len = pos + 1;
+        if self.mode == KvMode::F16 && t == PAGE - 1 {
+            for h in 0..self.n_kv_head {
+                let keys = page_rows(&self.exact_k, self.exact_slots, h, slot, dk);
+                self.sketches[h * self.exact_slots + slot].fill(keys);
+            }
+        }
+    }
+
+    /// The positions a query at `pos` attends to: causal, and within the
+    /// window on sliding layers.
+    pub fn visible(&self, pos: usize) -> Range<usize> {
+        let first = self.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        first..pos + 1
+    }
+
+    /// The key of `head` at `pos`, as attention must read it.
+    pub fn key(&self, head: usize, pos: usize, out: &mut [f32]) {
+        let (page, t) = self.locate(pos);
+        if page >= self.first_exact {
+            let row = (head * self.exact_slots + page % self.exact_slots) * PAGE + t;
+            self.exact_k[row * self.head_dim_k..][..self.head_dim_k].convert_to_f32_slice(&mut out[..self.head_dim_k]);
+        } else {
+            self.sketches[head * self.coded_slots + self.coded_slot(page)].dequantize_key(t, out);
+        }
+    }
+
+    /// The value of `head` at `pos`, as attention must read it.
+    pub fn value(&self, head: usize, pos: usize, out: &mut [f32]) {
+        let (page, t) = self.locate(pos);
+        if page >= self.first_exact {
+            let row = (head * self.exact_slots + page % self.exact_slots) * PAGE + t;
+            self.exact_v[row * self.head_dim_v..][..self.head_dim_v].convert_to_f32_slice(&mut out[..self.head_dim_v]);
+        } else {
+            self.values[head * self.coded_slots + self.coded_slot(page)].dequantize(t, out);
+        }
+    }
+
+    /// The sketch of `head`'s keys in `page`, once it has one: in the f16
+    /// mode every full page, in the others every coded page.
+    pub fn sketch(&self, head: usize, page: usize) -> Option<&KeySketch> {
+        if self.mode == KvMode::F16 {
+            let full = page >= self.first_exact && (page + 1) * PAGE <= self.len;
+            full.then(|| &self.sketches[head * self.exact_slots + page % self.exact_slots])
+        } else {
+            self.is_coded(page).then(|| &self.sketches[head * self.coded_slots + page % self.coded_slots])
+        }
+    }
+
+    /// The bytes the layer allocated: exact rows, codes, minima and steps,
+    /// sketches (all but a few counters).
+    pub fn bytes(&self) -> usize {
+        (self.exact_k.len() + self.exact_v.len()) * std::mem::size_of::<f16>()
+            + self.sketches.iter().map(KeySketch::bytes).sum::<usize>()
+            + self.values.iter().map(ValueRows::bytes).sum::<usize>()
+    }
+
+    /// Forgets positions from `pos` on.
+    fn rewind(&mut self, pos: usize) {
+        if pos == 0 {
+            self.first_exact = 0;
+        } else {
+            assert!(pos / PAGE >= self.first_exact, "position {pos} is quantized and cannot be rewritten");
+        }
+        self.len = pos;
+    }
+
+    /// Makes room for `page` among the exact pages, coding or dropping the
+    /// oldest.
+    fn open(&mut self, page: usize) {
+        while page >= self.first_exact + self.exact_slots {
+            self.retire(self.first_exact);
+            self.first_exact += 1;
+        }
+    }
+
+    /// Codes `page` as it leaves the exact slots: the f16 mode, and a
+    /// window too short to need coded pages, simply let it go.
+    fn retire(&mut self, page: usize) {
+        if self.mode == KvMode::F16 || self.coded_slots == 0 {
+            return;
+        }
+        let (exact, coded) = (page % self.exact_slots, page % self.coded_slots);
+        let (dk, dv) = (self.head_dim_k, self.head_dim_v);
+        for h in 0..self.n_kv_head {
+            let i = h * self.coded_slots + coded;
+            self.sketches[i].fill(page_rows(&self.exact_k, self.exact_slots, h, exact, dk));
+            for (t, row) in page_rows(&self.exact_v, self.exact_slots, h, exact, dv).chunks_exact(dv).enumerate() {
+                self.values[i].store(t, row);
+            }
+        }
+    }
+
+    fn locate(&self, pos: usize) -> (usize, usize) {
+        assert!(pos < self.len, "position {pos} has not been stored");
+        (pos / PAGE, pos % PAGE)
+    }
+
+    fn is_coded(&self, page: usize) -> bool {
+        page < self.first_exact && page + self.coded_slots >= self.first_exact
+    }
+
+    fn coded_slot(&self, page: usize) -> usize {
+        assert!(self.is_coded(page), "page {page} has left the cache");
+        page % self.coded_slots
+    }
+}
+
+/// The rows of one page of exact `rows` (`[head][slot][token][dim]`).
+fn page_rows(rows: &[f16], slots: usize, head: usize, slot: usize, dim: usize) -> &[f16] {
+    &rows[(head * slots + slot) * PAGE * dim..][..PAGE * dim]
+}

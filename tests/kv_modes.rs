@@ -1,0 +1,337 @@
+//! The cache modes: what they cost per token, how far what they return
+//! strays from the exact keys and values, and attention over them against an
+//! f64 reference.
+//!
+//! # The tolerance
+//!
+//! A number quantized in a group (a key channel over its page, or 32 of a
+//! token's values) with step `Δ`, at `b` bits, comes back within
+//! `2^(7-b)·Δ` of the exact f16 number (half a step at 8 bits, 8 steps at 4,
+//! 32 at 2), plus one f32 rounding of the result. `Δ` is the group's range
+//! over 255 rounded up to f16, so it is at most `range/255·(1 + 2^-10) +
+//! 2^-24`: the test computes this from the exact numbers, knowing nothing of
+//! the stored steps. Call these bounds `e` for a key channel and `f` for a
+//! value.
+//!
+//! Attention: exact scores `s_i = q·k_i/√d`, weights `a = softmax(s)`,
+//! output `o = Σ a_i·v_i`; the primed ones are from the cache. Each score
+//! moves by at most `ε_i = Σ_c |q_c|·e_ic/√d ≤ ε`, so every weight ratio
+//! `a'_i/a_i = e^(s'_i - s_i)/Σ_j a_j·e^(s'_j - s_j)` lies within
+//! `e^(±2ε)`. Since the weights of both sum to one, for any constant `m`
+//!
+//! ```text
+//! o' - o = Σ (a'_i - a_i)·(v'_i - m) + Σ a_i·(v'_i - v_i)
+//! |o'_c - o_c| ≤ (e^(2ε) - 1)·Σ a_i·|v'_ic - m_c| + Σ a_i·f_ic
+//! ```
+//!
+//! with `m = Σ a_i·v'_i`. The bound is for the worst case, where every
+//! channel's error pushes the same way; to keep it informative each mode is
+//! tested with the query scaled so that `ε` is at most 0.05 (at natural
+//! scale, 2-bit keys move scores by several units in the worst case).
+
+use half::f16;
+use sift::kv::page::{KvMode, PagedLayer, Storage, RESIDUAL};
+use sift::kv::{CacheShape, PAGE};
+
+/// SplitMix64: the test's own reproducible numbers.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn normal(&mut self) -> f64 {
+        ((0..4).map(|_| self.unit()).sum::<f64>() - 2.0) * 3f64.sqrt()
+    }
+}
+
+fn shape(n_kv_head: usize, head_dim_k: usize, head_dim_v: usize) -> CacheShape {
+    CacheShape { n_kv_head, head_dim_k, head_dim_v, windows: vec![None] }
+}
+
+/// Tokens' keys and values for every head, as f16 (what the cache rounds
+/// them to) widened back to f32. Keys have KIVI's outlier channels: every
+/// eighth channel carries an offset 20 times the others'.
+struct Tokens {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+}
+
+impl Tokens {
+    fn new(seed: u64, n: usize, shape: &CacheShape) -> Self {
+        let mut rng = Rng(seed);
+        let (dk, dv) = (shape.n_kv_head * shape.head_dim_k, shape.n_kv_head * shape.head_dim_v);
+        let offsets: Vec<f64> = (0..dk).map(|c| rng.normal() * if c % 8 == 0 { 20.0 } else { 1.0 }).collect();
+        let round = |x: f64| f16::from_f64(x).to_f32();
+        let keys = (0..n).map(|_| offsets.iter().map(|&o| round(o + rng.normal())).collect()).collect();
+        let values = (0..n)
+            .map(|_| {
+                let scale = 0.5 + rng.unit();
+                (0..dv).map(|_| round(rng.normal() * scale)).collect()
+            })
+            .collect();
+        Self { keys, values }
+    }
+}
+
+/// The most a number of `group` (exact numbers) can come back off by in
+/// `mode`; `x` is the number as it came back (for its f32 rounding).
+fn error_bound(mode: KvMode, group: impl Iterator<Item = f32> + Clone, x: f32) -> f64 {
+    let Some(bits) = mode.bits() else { return 0.0 };
+    let range = group.clone().fold(f32::NEG_INFINITY, f32::max) as f64 - group.fold(f32::INFINITY, f32::min) as f64;
+    let step = range / 255.0 * (1.0 + 2f64.powi(-10)) + 2f64.powi(-24);
+    2f64.powi(7 - bits.get() as i32) * step + 2f64.powi(-24) * x.abs() as f64
+}
+
+/// Whether `pos` is still exact when `len` positions are stored: the newest
+/// `residual / PAGE` pages are.
+fn is_exact(mode: KvMode, pos: usize, len: usize) -> bool {
+    mode == KvMode::F16 || pos / PAGE + RESIDUAL / PAGE > (len - 1) / PAGE
+}
+
+/// Reads back every position of `range` and checks each number against its
+/// bound; returns the per-position bounds `(e, f)` for attention.
+fn check_rows(
+    layer: &PagedLayer,
+    tokens: &Tokens,
+    shape: &CacheShape,
+    head: usize,
+    range: std::ops::Range<usize>,
+    len: usize,
+) -> Vec<(Vec<f64>, Vec<f64>)> {
+    let (dk, dv) = (shape.head_dim_k, shape.head_dim_v);
+    let mode = layer.mode();
+    let (mut key, mut value) = (vec![0.0; dk], vec![0.0; dv]);
+    range
+        .map(|pos| {
+            layer.key(head, pos, &mut key);
+            layer.value(head, pos, &mut value);
+            let exact_k = &tokens.keys[pos][head * dk..][..dk];
+            let exact_v = &tokens.values[pos][head * dv..][..dv];
+            if is_exact(mode, pos, len) {
+                assert_eq!(key, exact_k, "{mode} pos {pos}: exact key");
+                assert_eq!(value, exact_v, "{mode} pos {pos}: exact value");
+                return (vec![0.0; dk], vec![0.0; dv]);
+            }
+            let page = pos / PAGE * PAGE..(pos / PAGE + 1) * PAGE;
+            let e: Vec<f64> = (0..dk)
+                .map(|c| {
+                    let column = page.clone().map(|p| tokens.keys[p][head * dk + c]);
+                    error_bound(mode, column, key[c])
+                })
+                .collect();
+            let f: Vec<f64> = (0..dv)
+                .map(|c| {
+                    let group = exact_v[c / 32 * 32..((c / 32 + 1) * 32).min(dv)].iter().copied();
+                    error_bound(mode, group, value[c])
+                })
+                .collect();
+            for c in 0..dk {
+                let err = (key[c] as f64 - exact_k[c] as f64).abs();
+                assert!(err <= e[c], "{mode} pos {pos} key channel {c}: off by {err:e}, bound {:e}", e[c]);
+            }
+            for c in 0..dv {
+                let err = (value[c] as f64 - exact_v[c] as f64).abs();
+                assert!(err <= f[c], "{mode} pos {pos} value channel {c}: off by {err:e}, bound {:e}", f[c]);
+            }
+            (e, f)
+        })
+        .collect()
+}
+
+fn softmax(scores: &[f64]) -> Vec<f64> {
+    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let w: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+    let sum: f64 = w.iter().sum();
+    w.iter().map(|w| w / sum).collect()
+}
+
+fn dot(a: &[f64], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(&x, &y)| x * y as f64).sum()
+}
+
+/// Attention of one query over `range` from the cache and from the exact
+/// tokens, checked against the module's tolerance.
+fn check_attention(layer: &PagedLayer, tokens: &Tokens, shape: &CacheShape, len: usize, seed: u64) {
+    let (dk, dv) = (shape.head_dim_k, shape.head_dim_v);
+    let mode = layer.mode();
+    let mut rng = Rng(seed);
+    for head in 0..shape.n_kv_head {
+        let range = layer.visible(len - 1);
+        let bounds = check_rows(layer, tokens, shape, head, range.clone(), len);
+        let unit: Vec<f64> = (0..dk).map(|_| rng.normal() / (dk as f64).sqrt()).collect();
+        // ε for a query: the largest score error over the positions.
+        let eps_of = |q: &[f64]| {
+            bounds.iter().map(|(e, _)| q.iter().zip(e).map(|(q, e)| q.abs() * e).sum::<f64>()).fold(0.0, f64::max)
+        };
+        let scale = (0.05 / eps_of(&unit)).min(1.0);
+        let q: Vec<f64> = unit.iter().map(|x| x * scale).collect();
+        let eps = eps_of(&q);
+
+        let (mut key, mut value) = (vec![0.0; dk], vec![0.0; dv]);
+        let (mut scores, mut scores_q, mut values_q) = (vec![], vec![], vec![]);
+        for pos in range.clone() {
+            scores.push(dot(&q, &tokens.keys[pos][head * dk..][..dk]));
+            layer.key(head, pos, &mut key);
+            scores_q.push(dot(&q, &key));
+            layer.value(head, pos, &mut value);
+            values_q.push(value.clone());
+        }
+        let (a, a_q) = (softmax(&scores), softmax(&scores_q));
+        for c in 0..dv {
+            let o: f64 = range.clone().zip(&a).map(|(pos, a)| a * tokens.values[pos][head * dv + c] as f64).sum();
+            let o_q: f64 = values_q.iter().zip(&a_q).map(|(v, a)| a * v[c] as f64).sum();
+            let m: f64 = values_q.iter().zip(&a).map(|(v, a)| a * v[c] as f64).sum();
+            let spread: f64 = values_q.iter().zip(&a).map(|(v, a)| a * (v[c] as f64 - m).abs()).sum();
+            let value_err: f64 = bounds.iter().zip(&a).map(|((_, f), a)| a * f[c]).sum();
+            let tol = (2.0 * eps).exp_m1() * spread + value_err + 1e-12;
+            assert!((o_q - o).abs() <= tol, "{mode} head {head} channel {c}: {o_q} vs {o}, tolerance {tol:e}");
+        }
+    }
+}
+
+#[test]
+fn every_mode_reads_back_within_its_step_and_attends_within_tolerance() {
+    let shape = shape(2, 64, 80); // 80: a partial value group
+    let len = 7 * PAGE + 13;
+    let tokens = Tokens::new(1, len, &shape);
+    for mode in KvMode::ALL {
+        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, None, 640, 16);
+        for pos in 0..len {
+            layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
+        }
+        check_attention(&layer, &tokens, &shape, len, 2);
+    }
+}
+
+/// A sliding-window layer keeps a ring of pages: after many windows'
+/// worth of tokens, every position a batch's queries can see is still there.
+#[test]
+fn sliding_windows_keep_what_the_window_sees() {
+    let shape = shape(1, 32, 32);
+    let (window, batch, len) = (100, 8, 1504);
+    let tokens = Tokens::new(3, len, &shape);
+    for mode in KvMode::ALL {
+        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, Some(window), 4096, batch);
+        for pos0 in (0..len).step_by(batch) {
+            for pos in pos0..pos0 + batch {
+                layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
+            }
+            let end = pos0 + batch;
+            check_rows(&layer, &tokens, &shape, 0, layer.visible(pos0).start..end, end);
+        }
+        check_attention(&layer, &tokens, &shape, len, 4);
+    }
+}
+
+/// Sketches exist for full pages (f16) or coded ones, and bound the scores
+/// of the keys the layer returns.
+#[test]
+fn sketches_bound_the_cached_keys() {
+    let shape = shape(2, 64, 64);
+    let len = 5 * PAGE + 7;
+    let tokens = Tokens::new(5, len, &shape);
+    let q: Vec<f32> = (0..64).map(|c| (c as f32 * 0.37).sin()).collect();
+    for mode in KvMode::ALL {
+        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, None, 1024, 16);
+        for pos in 0..len {
+            layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
+        }
+        let sketched: Vec<usize> = (0..6).filter(|&p| layer.sketch(1, p).is_some()).collect();
+        let expected: Vec<usize> = if mode == KvMode::F16 { (0..5).collect() } else { (0..4).collect() };
+        assert_eq!(sketched, expected, "{mode}");
+        let mut key = vec![0.0; 64];
+        for page in sketched {
+            let bound = layer.sketch(1, page).unwrap().page_upper_bound(&q);
+            for pos in page * PAGE..(page + 1) * PAGE {
+                layer.key(1, pos, &mut key);
+                let score: f64 = q.iter().zip(&key).map(|(&a, &b)| a as f64 * b as f64).sum();
+                assert!(score <= bound as f64, "{mode} pos {pos}: {score} > {bound}");
+            }
+        }
+    }
+}
+
+/// Rewriting recent positions and starting over both work; exact pages can
+/// be rewritten, coded ones cannot.
+#[test]
+fn rewinding() {
+    let shape = shape(1, 32, 32);
+    let (a, b) = (Tokens::new(6, 400, &shape), Tokens::new(7, 400, &shape));
+    let mut layer = PagedLayer::new(Storage { mode: KvMode::Q4, residual: RESIDUAL }, &shape, None, 512, 16);
+    for pos in 0..300 {
+        layer.store(pos, &a.keys[pos], &a.values[pos]);
+    }
+    layer.store(290, &b.keys[290], &b.values[290]);
+    let mut key = vec![0.0; 32];
+    layer.key(0, 290, &mut key);
+    assert_eq!(key, b.keys[290]);
+    layer.key(0, 289, &mut key);
+    assert_eq!(key, a.keys[289]);
+
+    for pos in 0..400 {
+        layer.store(pos, &b.keys[pos], &b.values[pos]);
+    }
+    check_rows(&layer, &b, &shape, 0, 0..400, 400);
+}
+
+#[test]
+#[should_panic(expected = "cannot be rewritten")]
+fn coded_positions_cannot_be_rewritten() {
+    let shape = shape(1, 32, 32);
+    let a = Tokens::new(8, 300, &shape);
+    let mut layer = PagedLayer::new(Storage { mode: KvMode::Q2, residual: RESIDUAL }, &shape, None, 512, 16);
+    for pos in 0..300 {
+        layer.store(pos, &a.keys[pos], &a.values[pos]);
+    }
+    layer.store(10, &a.keys[10], &a.values[10]);
+}
+
+#[test]
+#[should_panic(expected = "has not been stored")]
+fn unstored_positions_are_refused() {
+    let shape = shape(1, 32, 32);
+    let layer = PagedLayer::new(Storage::default(), &shape, None, 512, 16);
+    layer.key(0, 0, &mut [0.0; 32]);
+}
+
+#[test]
+fn modes_parse() {
+    for mode in KvMode::ALL {
+        assert_eq!(mode.to_string().parse::<KvMode>().unwrap(), mode);
+    }
+    let err = "q3".parse::<KvMode>().unwrap_err().to_string();
+    assert!(err.contains("'q3'") && err.contains("f16, q8, q4 or q2"), "{err}");
+}
+
+/// Bytes per token of a global layer at a 32K context, everything the layer
+/// allocates included (codes, minima and steps, sketch and refinement, the
+/// exact residual pages), against plain f16 keys and values without any
+/// sketch.
+#[test]
+fn memory_per_token() {
+    let n_ctx = 32768;
+    for (name, n_kv_head, head_dim) in [("Gemma 3", 1, 256), ("Llama", 8, 128)] {
+        let shape = shape(n_kv_head, head_dim, head_dim);
+        let plain = (n_kv_head * 2 * head_dim * 2) as f64;
+        let ratio = |mode| {
+            let layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, None, n_ctx, 512);
+            let per_token = layer.bytes() as f64 / n_ctx as f64;
+            eprintln!("{name} {mode}: {per_token:.2} bytes/token/layer, {:.4} of plain f16", per_token / plain);
+            per_token / plain
+        };
+        let [f16, q8, q4, q2] = KvMode::ALL.map(ratio);
+        assert!(q4 <= 0.30, "{name} q4: {q4}");
+        assert!(q2 <= 0.20, "{name} q2: {q2}");
+        assert!(q2 < q4 && q4 < q8 && q8 < f16, "{name}: {q2} {q4} {q8} {f16}");
+    }
+}
