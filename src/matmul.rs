@@ -74,32 +74,38 @@ impl<'a> Matrix<'a> {
             });
             return;
         }
-        // Each task owns a block of rows and writes its results token-major
-        // into its own stretch of the scratch; a copy then lays them out.
+        // Each task owns a block of rows and writes its results token-major into its
+        // own stretch of the scratch (tiles of rows × tokens unpack each weight block
+        // once per tile); a copy, parallel over tokens, then lays them out.
         scratch.by_row_block.resize(n_tokens * self.rows, 0.0);
         scratch.by_row_block.par_chunks_mut(block * n_tokens).enumerate().for_each(|(b, res)| {
             let first = b * block;
             let n_rows = res.len() / n_tokens;
             let w = &self.data[first * self.row_bytes..(first + n_rows) * self.row_bytes];
-            for (t, res) in res.chunks_exact_mut(n_rows).enumerate() {
-                k.dot_rows(self.ty, w, self.row_bytes, &acts[t * act_bytes..(t + 1) * act_bytes], self.cols, res);
+            k.dot_tile(self.ty, w, acts, self.cols, res, n_rows);
+        });
+        let by_row_block = &scratch.by_row_block;
+        out.par_chunks_mut(self.rows).enumerate().for_each(|(t, out)| {
+            for (b, res) in by_row_block.chunks(block * n_tokens).enumerate() {
+                let n_rows = res.len() / n_tokens;
+                out[b * block..][..n_rows].copy_from_slice(&res[t * n_rows..][..n_rows]);
             }
         });
-        for (b, res) in scratch.by_row_block.chunks(block * n_tokens).enumerate() {
-            let n_rows = res.len() / n_tokens;
-            for (t, res) in res.chunks_exact(n_rows).enumerate() {
-                out[t * self.rows + b * block..][..n_rows].copy_from_slice(res);
-            }
-        }
     }
 
     /// Rows per task: enough tasks to balance the pool, few enough that each
-    /// task's weights stay cache-resident while all tokens pass over them.
+    /// task's weights stay cache-resident while all tokens pass over them, and (for
+    /// tiles) a whole number of tiles.
     fn row_block(&self, n_tokens: usize) -> usize {
         let tasks = rayon::current_num_threads() * 8;
         let by_balance = self.rows.div_ceil(tasks);
-        let by_cache = (32 * 1024 / self.row_bytes.max(1)).max(4);
-        let block = if n_tokens == 1 { by_balance } else { by_balance.min(by_cache) };
+        let block = if n_tokens == 1 {
+            by_balance
+        } else {
+            let tile = kernels().tile_rows();
+            let by_cache = 32 * 1024 / self.row_bytes.max(1);
+            (by_balance.min(by_cache) / tile).max(1) * tile
+        };
         block.clamp(1, self.rows.max(1))
     }
 }

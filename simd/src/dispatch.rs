@@ -8,6 +8,8 @@
 
 use std::sync::OnceLock;
 
+use half::f16;
+
 use crate::formats::{self, float32};
 use crate::{ActivationType, WeightType};
 
@@ -17,10 +19,33 @@ pub(crate) type DotFn = unsafe fn(w_row: &[u8], act_row: &[u8]) -> f32;
 /// `out[r] = dot(w_rows[r*stride ..][.. row_len], act_row)` where `row_len` is the
 /// weight row length matching `act_row`; the caller has checked every row is in bounds.
 pub(crate) type DotRowsFn = unsafe fn(w_rows: &[u8], stride: usize, act_row: &[u8], out: &mut [f32]);
+/// `out[t*out_stride + r] = dot(row r of w_rows, row t of acts)` for the weight and
+/// activation rows laid end to end in `w_rows` and `acts`, activation rows `act_len`
+/// (> 0) bytes long; the caller has checked that both hold whole rows of matching
+/// lengths, at least one each, and that `out` reaches every written element.
+pub(crate) type DotTileFn = unsafe fn(w_rows: &[u8], acts: &[u8], act_len: usize, out: &mut [f32], out_stride: usize);
+/// Weight rows per tile of the x86 tile kernels (see [`Kernels::tile_rows`]).
+pub(crate) const TILE_ROWS: usize = 16;
 /// Dequantize one row; `out` has the row's element count.
 pub(crate) type DequantFn = unsafe fn(row: &[u8], out: &mut [f32]);
 /// Quantize one activation row; `out` has the matching byte length.
 pub(crate) type QuantFn = unsafe fn(x: &[f32], out: &mut [u8]);
+
+/// `out[j] = q · keys[j]` for `out.len()` key rows of `q.len()` (> 0) elements.
+pub(crate) type ScoresFn = unsafe fn(q: &[f32], keys: &[f16], out: &mut [f32]);
+/// Each `x` becomes `exp(x − max)`; returns their sum.
+pub(crate) type SoftmaxExpFn = unsafe fn(x: &mut [f32], max: f32) -> f32;
+/// `out += Σⱼ weights[j] · values[j]` for `weights.len()` value rows of `out.len()` (> 0)
+/// elements.
+pub(crate) type AddWeightedFn = unsafe fn(weights: &[f32], values: &[f16], out: &mut [f32]);
+
+/// The attention kernels (see [`crate::attention`]).
+#[derive(Clone, Copy)]
+pub(crate) struct AttentionKernels {
+    pub(crate) scores: ScoresFn,
+    pub(crate) softmax_exp: SoftmaxExpFn,
+    pub(crate) add_weighted: AddWeightedFn,
+}
 
 /// The kernels of one weight format.
 #[derive(Clone, Copy)]
@@ -152,6 +177,10 @@ pub struct Kernels {
     isa: Isa,
     weights: [WeightKernels; WeightType::ALL.len()],
     quantize: [QuantFn; ActivationType::ALL.len()],
+    attention: AttentionKernels,
+    /// Per weight type, the tile kernel of [`Kernels::dot_tile`]; `None` loops over
+    /// `dot_rows`.
+    tiles: [Option<DotTileFn>; WeightType::ALL.len()],
 }
 
 static KERNELS: OnceLock<Kernels> = OnceLock::new();
@@ -232,6 +261,12 @@ const SCALAR: Kernels = Kernels {
         formats::q8_1::quantize_bytes,
         formats::q8_k::quantize_bytes,
     ],
+    attention: AttentionKernels {
+        scores: crate::attention::portable::scores,
+        softmax_exp: crate::attention::portable::softmax_exp,
+        add_weighted: crate::attention::portable::add_weighted,
+    },
+    tiles: [None; WeightType::ALL.len()],
 };
 
 impl Kernels {
@@ -269,6 +304,16 @@ impl Kernels {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn set_quantize(&mut self, a: ActivationType, f: QuantFn) {
         self.quantize[a.index()] = f;
+    }
+
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn set_tile(&mut self, w: WeightType, f: DotTileFn) {
+        self.tiles[w.index()] = Some(f);
+    }
+
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn set_attention(&mut self, entries: AttentionKernels) {
+        self.attention = entries;
     }
 
     /// Quantizes the f32 row `x` into `out` as activation type `ty` (for
@@ -337,6 +382,56 @@ impl Kernels {
         }
     }
 
+    /// Weight rows per tile of [`Kernels::dot_tile`]: row counts that are multiples of
+    /// it waste no work at the tiles' edges.
+    pub fn tile_rows(&self) -> usize {
+        TILE_ROWS
+    }
+
+    /// Every weight row with every activation row: `out[t * out_stride + r]` = dot of
+    /// weight row `r` with activation row `t`, where `w_rows` holds weight rows of `n`
+    /// elements laid end to end and `acts` activation rows quantized from `n` elements
+    /// each (as for [`Kernels::dot`]). Elements of `out` between the rows are left
+    /// alone.
+    ///
+    /// The x86 tables unpack each weight block once for a tile of tokens, for the
+    /// quantized formats; results equal [`Kernels::dot`]'s for every pair, bit for bit.
+    ///
+    /// # Panics
+    /// If `n` is zero or not a whole number of blocks of `w`, if `w_rows` or `acts` is
+    /// not a whole number of rows, if `out_stride` is below the number of weight rows,
+    /// or if `out` is too short.
+    pub fn dot_tile(&self, w: WeightType, w_rows: &[u8], acts: &[u8], n: usize, out: &mut [f32], out_stride: usize) {
+        assert!(n > 0, "tiles need rows of at least one element");
+        let len = w.row_bytes(n).unwrap_or(usize::MAX);
+        let act_len = w.activation().row_bytes(n);
+        check_rows(w, len, act_len, n);
+        assert!(w_rows.len().is_multiple_of(len), "{} bytes are not whole {w} rows of {len} bytes", w_rows.len());
+        assert!(acts.len().is_multiple_of(act_len), "{} bytes are not whole rows of {act_len} bytes", acts.len());
+        let (n_rows, n_tokens) = (w_rows.len() / len, acts.len() / act_len);
+        if n_rows == 0 || n_tokens == 0 {
+            return;
+        }
+        assert!(out_stride >= n_rows, "output stride {out_stride} is below the {n_rows} weight rows");
+        let need = (n_tokens - 1).checked_mul(out_stride).and_then(|o| o.checked_add(n_rows));
+        assert!(
+            need.is_some_and(|need| out.len() >= need),
+            "{n_tokens} tokens of {n_rows} results at stride {out_stride} do not fit in {} elements",
+            out.len()
+        );
+        match self.tiles[w.index()] {
+            // SAFETY: whole rows of matching lengths, at least one each, and `out` is
+            // long enough (all checked above); the table's ISA is supported (see module
+            // docs).
+            Some(f) => unsafe { f(w_rows, acts, act_len, out, out_stride) },
+            None => {
+                for (t, act_row) in acts.chunks_exact(act_len).enumerate() {
+                    self.dot_rows(w, w_rows, len, act_row, n, &mut out[t * out_stride..][..n_rows]);
+                }
+            }
+        }
+    }
+
     /// Dequantizes one row of `out.len()` elements of type `w`. Bit-identical on every
     /// ISA, except that the x86 F16 path (F16C) may quiet signalling-NaN payloads.
     ///
@@ -347,6 +442,63 @@ impl Kernels {
         assert_eq!(Some(row.len()), w.row_bytes(n), "{w} row of {n} elements has the wrong byte length");
         // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
         unsafe { (self.weight(w).dequantize)(row, out) }
+    }
+}
+
+/// Attention over an f16 key/value cache, one query at a time: the scores against a run
+/// of key rows, the softmax's exponentials, and the weighted sum of a run of value
+/// rows. Sums are in f32; tables agree with each other to f32 rounding (they sum in
+/// different orders).
+impl Kernels {
+    /// `out[j] = q · keys[j]`, where `keys` holds `out.len()` rows of `q.len()` elements
+    /// laid end to end. The products are exact (an f16 times an f32 fits an f32 when
+    /// `q` holds f16 values), so the only rounding is the summation's.
+    ///
+    /// # Panics
+    /// If `q` is empty or `keys.len() != out.len() * q.len()`.
+    pub fn scores_f16(&self, q: &[f32], keys: &[f16], out: &mut [f32]) {
+        assert!(!q.is_empty(), "scores need a query of at least one element");
+        assert_eq!(
+            Some(keys.len()),
+            out.len().checked_mul(q.len()),
+            "{} keys of {} elements need {} halves",
+            out.len(),
+            q.len(),
+            out.len() * q.len()
+        );
+        // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
+        unsafe { (self.attention.scores)(q, keys, out) }
+    }
+
+    /// Replaces each `x` by `exp(x − max)` and returns the sum of the results: the
+    /// softmax's numerators and denominator when `max` is the largest `x`.
+    ///
+    /// `exp` is a polynomial within 2·10⁻⁷ relative of the true value where that is at
+    /// least `f32::MIN_POSITIVE`, and flushes smaller results to zero; arguments above 88
+    /// are taken as 88.
+    pub fn softmax_exp(&self, x: &mut [f32], max: f32) -> f32 {
+        // SAFETY: the table's ISA is supported (see module docs).
+        unsafe { (self.attention.softmax_exp)(x, max) }
+    }
+
+    /// `out += Σⱼ weights[j] · values[j]`, where `values` holds `weights.len()` rows of
+    /// `out.len()` elements laid end to end. The products are exact when the weights
+    /// hold f16 values (attention rounds its probabilities so); the sums are f32.
+    ///
+    /// # Panics
+    /// If `out` is empty or `values.len() != weights.len() * out.len()`.
+    pub fn add_weighted_f16(&self, weights: &[f32], values: &[f16], out: &mut [f32]) {
+        assert!(!out.is_empty(), "weighted sums need an output of at least one element");
+        assert_eq!(
+            Some(values.len()),
+            weights.len().checked_mul(out.len()),
+            "{} values of {} elements need {} halves",
+            weights.len(),
+            out.len(),
+            weights.len() * out.len()
+        );
+        // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
+        unsafe { (self.attention.add_weighted)(weights, values, out) }
     }
 }
 

@@ -1,5 +1,7 @@
 //! sift's compute kernels: GGML's quantized block formats, their dequantization,
-//! and dot products of one weight row against one quantized activation row.
+//! dot products of one weight row against one quantized activation row, and attention
+//! over an f16 key/value cache ([`Kernels::scores_f16`], [`Kernels::softmax_exp`],
+//! [`Kernels::add_weighted_f16`]).
 //!
 //! # Contract
 //!
@@ -44,6 +46,7 @@
 // layouts and is what LLVM vectorizes best.
 #![allow(clippy::needless_range_loop)]
 
+mod attention;
 mod dispatch;
 pub mod formats;
 #[cfg(target_arch = "x86_64")]

@@ -20,6 +20,8 @@ pub mod sketch;
 pub use page::{KvMode, PagedLayer, Storage};
 pub use sketch::{Bounds, KeySketch, PageKeys, ScanQuery, PAGE};
 
+use std::ops::Range;
+
 use half::f16;
 
 pub struct LayerCache {
@@ -68,14 +70,23 @@ impl LayerCache {
         first..pos + 1
     }
 
-    pub fn key(&self, head: usize, pos: usize) -> &[f16] {
-        let slot = pos % self.capacity;
-        &self.k[(head * self.capacity + slot) * self.head_dim_k..][..self.head_dim_k]
+    /// The key rows of `positions` for one head, in order: one run, or two
+    /// where the ring wraps (the second is empty otherwise).
+    pub fn keys(&self, head: usize, positions: Range<usize>) -> (&[f16], &[f16]) {
+        self.runs(&self.k, self.head_dim_k, head, positions)
     }
 
-    pub fn value(&self, head: usize, pos: usize) -> &[f16] {
-        let slot = pos % self.capacity;
-        &self.v[(head * self.capacity + slot) * self.head_dim_v..][..self.head_dim_v]
+    /// The value rows of `positions`, as [`Self::keys`] gives the keys.
+    pub fn values(&self, head: usize, positions: Range<usize>) -> (&[f16], &[f16]) {
+        self.runs(&self.v, self.head_dim_v, head, positions)
+    }
+
+    fn runs<'a>(&self, data: &'a [f16], dim: usize, head: usize, positions: Range<usize>) -> (&'a [f16], &'a [f16]) {
+        assert!(positions.len() <= self.capacity, "more positions than the ring holds");
+        let ring = &data[head * self.capacity * dim..][..self.capacity * dim];
+        let start = positions.start % self.capacity;
+        let first = positions.len().min(self.capacity - start);
+        (&ring[start * dim..][..first * dim], &ring[..(positions.len() - first) * dim])
     }
 
     pub fn bytes(&self) -> usize {

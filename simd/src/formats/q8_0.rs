@@ -107,8 +107,3 @@ pub fn quantize(x: &[f32], out: &mut [BlockQ8_0]) {
 
 super::weight_entry_points!(BlockQ8_0, BlockQ8_0);
 super::activation_entry_point!(BlockQ8_0);
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-}

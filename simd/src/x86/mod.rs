@@ -10,6 +10,14 @@
 //! macro then instantiates each kernel inside a `#[target_feature]` entry point per ISA,
 //! where LLVM inlines everything and compiles it with that ISA's instructions.
 //!
+//! Each format also has a *tile* kernel for products of many rows with many tokens
+//! ([`tile`]): it unpacks each weight block once for a tile of activation rows. The
+//! 32-element formats share one in `block32.rs`, the K-quants one in `superblock.rs`.
+//!
+//! The attention kernels are written once for every table in [`crate::attention`],
+//! generic over a vector of f32 lanes; `attention.rs` supplies the AVX2 and AVX-512
+//! vectors and instantiates them.
+//!
 //! Every integer kernel reproduces the scalar kernels' order of float operations (see
 //! [`crate::formats`]), so its results are bit-identical to the scalar table's.
 //!
@@ -25,6 +33,7 @@ use core::arch::x86_64::*;
 use crate::dispatch::{Kernels, WeightKernels};
 use crate::{ActivationType, Isa, WeightType};
 
+mod attention;
 mod block32;
 mod float;
 mod q4_0;
@@ -36,6 +45,8 @@ mod q5_k;
 mod q6_k;
 mod q8_0;
 mod quantize;
+mod superblock;
+pub(crate) mod tile;
 
 /// The instruction that differs between the ISAs' integer kernels.
 pub(crate) trait IsaOps {
@@ -49,6 +60,13 @@ pub(crate) trait IsaOps {
     /// # Safety
     /// The CPU must support the ISA.
     unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i;
+
+    /// `acc + a₀b₀ + a₁b₁` over each pair of i16 lanes, one i32 lane per pair. Exact
+    /// unless the sum of the two products overflows an i32.
+    ///
+    /// # Safety
+    /// The CPU must support the ISA.
+    unsafe fn dp16(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
 }
 
 /// AVX2 + FMA + F16C.
@@ -67,6 +85,12 @@ impl IsaOps for Avx2 {
             _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
         }
     }
+
+    #[inline(always)]
+    unsafe fn dp16(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: the caller runs with AVX2 enabled.
+        unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)) }
+    }
 }
 
 impl IsaOps for Avx512 {
@@ -76,6 +100,12 @@ impl IsaOps for Avx512 {
     unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
         // SAFETY: the caller runs with AVX-512 VL + VNNI enabled.
         unsafe { _mm256_dpbusd_epi32(acc, u, s) }
+    }
+
+    #[inline(always)]
+    unsafe fn dp16(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: the caller runs with AVX-512 VL + VNNI enabled.
+        unsafe { _mm256_dpwssd_epi32(acc, a, b) }
     }
 }
 
@@ -105,14 +135,16 @@ pub(crate) fn cvt_f16x8(bits: [u16; 8]) -> __m256 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) fn reduce8x8(v: &[__m256i; 8]) -> __m256i {
-    let s01 = _mm256_hadd_epi32(v[0], v[1]);
-    let s23 = _mm256_hadd_epi32(v[2], v[3]);
-    let s45 = _mm256_hadd_epi32(v[4], v[5]);
-    let s67 = _mm256_hadd_epi32(v[6], v[7]);
+    // Interleave-and-add rather than `vphaddd`, which issues at half the rate on Zen 4.
+    // Per 128-bit half of sXY: [x0+x2, y0+y2, x1+x3, y1+y3].
+    let s01 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[0], v[1]), _mm256_unpackhi_epi32(v[0], v[1]));
+    let s23 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[2], v[3]), _mm256_unpackhi_epi32(v[2], v[3]));
+    let s45 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[4], v[5]), _mm256_unpackhi_epi32(v[4], v[5]));
+    let s67 = _mm256_add_epi32(_mm256_unpacklo_epi32(v[6], v[7]), _mm256_unpackhi_epi32(v[6], v[7]));
     // Per 128-bit half: [v0, v1, v2, v3] partial sums (low half from lanes 0-3,
     // high half from lanes 4-7 of each vector).
-    let s0123 = _mm256_hadd_epi32(s01, s23);
-    let s4567 = _mm256_hadd_epi32(s45, s67);
+    let s0123 = _mm256_add_epi32(_mm256_unpacklo_epi64(s01, s23), _mm256_unpackhi_epi64(s01, s23));
+    let s4567 = _mm256_add_epi32(_mm256_unpacklo_epi64(s45, s67), _mm256_unpackhi_epi64(s45, s67));
     let lo = _mm256_permute2x128_si256(s0123, s4567, 0x20);
     let hi = _mm256_permute2x128_si256(s0123, s4567, 0x31);
     _mm256_add_epi32(lo, hi)
@@ -160,19 +192,20 @@ pub(crate) fn bits32(qh: [u8; 4]) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit)
 }
 
-/// Defines, for one integer kernel `$kernel::<I, R>(xs: [&[$W]; R], y: &[$A]) -> [f32; R]`,
-/// the modules `avx2` and `avx512`, each with the byte-level table entries `dot` and
-/// `dot_rows` compiled for that ISA.
+/// Defines, for one integer kernel `$kernel::<I, R>(xs: [&[$W]; R], y: &[$A]) -> [f32; R]`
+/// and its tile kernel `$tile::<I>(xs: [&[$W]; R], ys: [&[$A]; T], scratch) -> [[f32; T]; R]`
+/// (see [`tile`]; `scratch` is zeroed once per call), the modules `avx2` and `avx512`, each with the byte-level table
+/// entries `dot`, `dot_rows` and `dot_tile` compiled for that ISA.
 macro_rules! x86_entries {
-    ($kernel:ident, $W:ty, $A:ty) => {
+    ($kernel:ident, $tile:ident, $W:ty, $A:ty) => {
         // The feature lists are those `Isa::is_supported` checks.
-        $crate::x86::x86_entries!(@isa avx2, $crate::x86::Avx2, "avx2,fma,f16c", $kernel, $W, $A);
+        $crate::x86::x86_entries!(@isa avx2, $crate::x86::Avx2, "avx2,fma,f16c", $kernel, $tile, $W, $A);
         $crate::x86::x86_entries!(
             @isa avx512, $crate::x86::Avx512,
-            "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", $kernel, $W, $A
+            "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", $kernel, $tile, $W, $A
         );
     };
-    (@isa $module:ident, $I:ty, $features:literal, $kernel:ident, $W:ty, $A:ty) => {
+    (@isa $module:ident, $I:ty, $features:literal, $kernel:ident, $tile:ident, $W:ty, $A:ty) => {
         pub(crate) mod $module {
             use super::*;
             use $crate::formats::cast_blocks;
@@ -210,6 +243,21 @@ macro_rules! x86_entries {
                     r += 1;
                 }
             }
+
+            /// Table entry: every row with every activation row, a tile at a time.
+            ///
+            /// # Safety
+            /// The CPU must support the ISA; lengths as `dispatch::DotTileFn`.
+            #[target_feature(enable = $features)]
+            pub(crate) unsafe fn dot_tile(w: &[u8], a: &[u8], act_len: usize, out: &mut [f32], out_stride: usize) {
+                let nb = act_len / core::mem::size_of::<$A>();
+                let (w, a) = (cast_blocks::<$W>(w), cast_blocks::<$A>(a));
+                let mut scratch = bytemuck::Zeroable::zeroed();
+                $crate::x86::tile::drive(w, a, nb, out, out_stride, |xs, ys| {
+                    // SAFETY: this function's target features are the ISA's.
+                    unsafe { $tile::<$I>(xs, ys, &mut scratch) }
+                });
+            }
         }
     };
 }
@@ -232,6 +280,7 @@ pub(crate) unsafe fn register(k: &mut Kernels, isa: Isa) {
                         dequantize: old.dequantize,
                     },
                 );
+                k.set_tile(WeightType::$w, $module::$isa::dot_tile);
             )*
         };
     }
@@ -241,11 +290,13 @@ pub(crate) unsafe fn register(k: &mut Kernels, isa: Isa) {
             set!(avx2: Q8_0 => q8_0, Q4_0 => q4_0, Q5_0 => q5_0, Q4_1 => q4_1, Q5_1 => q5_1,
                  Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k);
             float::register_avx2(k);
+            k.set_attention(attention::AVX2);
         }
         Isa::Avx512 => {
             set!(avx512: Q8_0 => q8_0, Q4_0 => q4_0, Q5_0 => q5_0, Q4_1 => q4_1, Q5_1 => q5_1,
                  Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k);
             float::register_avx512(k);
+            k.set_attention(attention::AVX512);
         }
     }
     // AVX-512 implies AVX2: both use the AVX2 quantizers.

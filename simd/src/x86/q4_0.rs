@@ -1,15 +1,22 @@
-//! Q4_0 × Q8_0: nibbles minus 8, then the sign trick.
+//! Q4_0 × Q8_0: nibbles minus 8, then the sign trick; tiles dot the nibbles themselves
+//! and subtract `8 · Σ y`.
 
 use core::arch::x86_64::*;
 
-use super::block32::{dot_n, sign_trick, Block32};
+use super::block32::{dot_n, sign_trick, tile, Block32, Scratch, TILE};
 use super::{load32, nibbles32, IsaOps};
 use crate::formats::{BlockQ4_0, BlockQ8_0};
 
 impl Block32 for BlockQ4_0 {
     type Act = BlockQ8_0;
     const WITH_MIN: bool = false;
+    const OFFSET: i8 = 8;
 
+    #[inline(always)]
+    unsafe fn prepare<I: IsaOps>(x: &Self) -> __m256i {
+        // SAFETY: the caller guarantees the ISA.
+        unsafe { nibbles32(&x.qs) }
+    }
     #[inline(always)]
     unsafe fn lanes<I: IsaOps>(x: &Self, y: &BlockQ8_0) -> __m256i {
         // SAFETY: the caller guarantees the ISA.
@@ -21,6 +28,9 @@ impl Block32 for BlockQ4_0 {
     }
     fn d(&self) -> u16 {
         self.d.to_bits()
+    }
+    fn act_quants(y: &BlockQ8_0) -> __m256i {
+        load32(&y.qs)
     }
     fn act_d(y: &BlockQ8_0) -> u16 {
         y.d.to_bits()
@@ -34,4 +44,15 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ4_0]; R], y: &[BlockQ8_
     unsafe { dot_n::<I, BlockQ4_0, R>(xs, y) }
 }
 
-super::x86_entries!(kernel, BlockQ4_0, BlockQ8_0);
+/// See [`tile`].
+#[inline(always)]
+unsafe fn tile_kernel<I: IsaOps>(
+    xs: [&[BlockQ4_0]; TILE.0],
+    ys: [&[BlockQ8_0]; TILE.1],
+    scratch: &mut Scratch,
+) -> [[f32; TILE.1]; TILE.0] {
+    // SAFETY: forwarded precondition.
+    unsafe { tile::<I, BlockQ4_0>(xs, ys, scratch) }
+}
+
+super::x86_entries!(kernel, tile_kernel, BlockQ4_0, BlockQ8_0);

@@ -2,7 +2,7 @@
 
 use core::arch::x86_64::*;
 
-use super::block32::{dot_n, Block32};
+use super::block32::{dot_n, tile, Block32, Scratch, TILE};
 use super::{load32, nibbles32, IsaOps};
 use crate::formats::{BlockQ4_1, BlockQ8_1};
 
@@ -11,15 +11,18 @@ impl Block32 for BlockQ4_1 {
     const WITH_MIN: bool = true;
 
     #[inline(always)]
-    unsafe fn lanes<I: IsaOps>(x: &Self, y: &BlockQ8_1) -> __m256i {
+    unsafe fn prepare<I: IsaOps>(x: &Self) -> __m256i {
         // SAFETY: the caller guarantees the ISA.
-        unsafe { I::dp(_mm256_setzero_si256(), nibbles32(&x.qs), load32(&y.qs)) }
+        unsafe { nibbles32(&x.qs) }
     }
     fn d(&self) -> u16 {
         self.d.to_bits()
     }
     fn m(&self) -> u16 {
         self.m.to_bits()
+    }
+    fn act_quants(y: &BlockQ8_1) -> __m256i {
+        load32(&y.qs)
     }
     fn act_d(y: &BlockQ8_1) -> u16 {
         y.d.to_bits()
@@ -36,4 +39,15 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ4_1]; R], y: &[BlockQ8_
     unsafe { dot_n::<I, BlockQ4_1, R>(xs, y) }
 }
 
-super::x86_entries!(kernel, BlockQ4_1, BlockQ8_1);
+/// See [`tile`].
+#[inline(always)]
+unsafe fn tile_kernel<I: IsaOps>(
+    xs: [&[BlockQ4_1]; TILE.0],
+    ys: [&[BlockQ8_1]; TILE.1],
+    scratch: &mut Scratch,
+) -> [[f32; TILE.1]; TILE.0] {
+    // SAFETY: forwarded precondition.
+    unsafe { tile::<I, BlockQ4_1>(xs, ys, scratch) }
+}
+
+super::x86_entries!(kernel, tile_kernel, BlockQ4_1, BlockQ8_1);

@@ -3,6 +3,7 @@
 
 use core::arch::x86_64::*;
 
+use super::superblock::{tile, Prepared, Scratch, SuperBlock, TILE};
 use super::{hsum_i32, load32, reduce8x8, IsaOps};
 use crate::formats::q4_k::scales_mins_words;
 use crate::formats::{f16_to_f32, BlockQ4K, BlockQ8K};
@@ -37,6 +38,57 @@ pub(crate) fn activation_vectors(y: &BlockQ8K) -> [__m256i; 8] {
     core::array::from_fn(|j| load32(&chunks[j]))
 }
 
+/// The 4-bit quants, sub-block `j` in vector `j`: quant group `c` holds sub-block `2c`
+/// in its low nibbles and `2c + 1` in its high ones.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn quants(x: &BlockQ4K) -> [__m256i; 8] {
+    let (qs, _) = x.qs.as_chunks::<32>();
+    let low = _mm256_set1_epi8(0x0f);
+    core::array::from_fn(|j| {
+        let q = load32(&qs[j / 2]);
+        if j % 2 == 0 {
+            _mm256_and_si256(q, low)
+        } else {
+            _mm256_and_si256(_mm256_srli_epi16(q, 4), low)
+        }
+    })
+}
+
+/// The 6-bit scales and minimums of Q4_K and Q5_K as tile multipliers: scale `j` in i32
+/// lane `j`, and minimum `j` in the i16 lanes of `bsums[2j]` and `bsums[2j + 1]`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn tile_scales(scales: &[u8; 12]) -> (__m256i, __m256i) {
+    let (sc, mn) = scales_mins_words(scales);
+    // A byte shuffle of the minimums (in both 128-bit halves); index −128 yields zero.
+    let pairs = _mm256_setr_epi8(
+        0, -128, 0, -128, 1, -128, 1, -128, 2, -128, 2, -128, 3, -128, 3, -128, //
+        4, -128, 4, -128, 5, -128, 5, -128, 6, -128, 6, -128, 7, -128, 7, -128,
+    );
+    (_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)), _mm256_shuffle_epi8(_mm256_set1_epi64x(mn as i64), pairs))
+}
+
+impl SuperBlock for BlockQ4K {
+    const WITH_MIN: bool = true;
+    const HALF_SCALES: bool = false;
+
+    #[inline(always)]
+    unsafe fn prepare(&self) -> Prepared {
+        // SAFETY: the caller guarantees AVX2.
+        unsafe {
+            let (scales, bsum_weights) = tile_scales(&self.scales);
+            Prepared { q: quants(self), scales: [scales; 2], bsum_weights }
+        }
+    }
+    fn d(&self) -> f32 {
+        f16_to_f32(self.d)
+    }
+    fn dmin(&self) -> f32 {
+        f16_to_f32(self.dmin)
+    }
+}
+
 /// Dot products of `R` weight rows with one activation row.
 ///
 /// # Safety
@@ -52,15 +104,10 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ4K]; R], y: &[BlockQ8K]
             for r in 0..R {
                 let xb = &xs[r][i];
                 let (sc, mn) = scales_mins_words(&xb.scales);
-                let (qs, _) = xb.qs.as_chunks::<32>();
-                let low = _mm256_set1_epi8(0x0f);
+                let q = quants(xb);
                 let mut v = [_mm256_setzero_si256(); 8];
-                for c in 0..4 {
-                    let q = load32(&qs[c]);
-                    let lo = _mm256_and_si256(q, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-                    v[2 * c] = I::dp(_mm256_setzero_si256(), lo, yv[2 * c]);
-                    v[2 * c + 1] = I::dp(_mm256_setzero_si256(), hi, yv[2 * c + 1]);
+                for j in 0..8 {
+                    v[j] = I::dp(_mm256_setzero_si256(), q[j], yv[j]);
                 }
                 let sumi = scaled_total(&v, sc);
                 let summ = weighted_sum(pairs, mn);
@@ -73,4 +120,15 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ4K]; R], y: &[BlockQ8K]
     }
 }
 
-super::x86_entries!(kernel, BlockQ4K, BlockQ8K);
+/// See [`tile`].
+#[inline(always)]
+unsafe fn tile_kernel<I: IsaOps>(
+    xs: [&[BlockQ4K]; TILE.0],
+    ys: [&[BlockQ8K]; TILE.1],
+    scratch: &mut Scratch,
+) -> [[f32; TILE.1]; TILE.0] {
+    // SAFETY: forwarded precondition.
+    unsafe { tile::<I, BlockQ4K>(xs, ys, scratch) }
+}
+
+super::x86_entries!(kernel, tile_kernel, BlockQ4K, BlockQ8K);

@@ -1,15 +1,22 @@
-//! Q5_0 × Q8_0: nibbles plus fifth bits, minus 16, then the sign trick.
+//! Q5_0 × Q8_0: nibbles plus fifth bits, minus 16, then the sign trick; tiles dot the
+//! unsigned 5-bit values and subtract `16 · Σ y`.
 
 use core::arch::x86_64::*;
 
-use super::block32::{dot_n, sign_trick, Block32};
+use super::block32::{dot_n, sign_trick, tile, Block32, Scratch, TILE};
 use super::{bits32, load32, nibbles32, IsaOps};
 use crate::formats::{BlockQ5_0, BlockQ8_0};
 
 impl Block32 for BlockQ5_0 {
     type Act = BlockQ8_0;
     const WITH_MIN: bool = false;
+    const OFFSET: i8 = 16;
 
+    #[inline(always)]
+    unsafe fn prepare<I: IsaOps>(x: &Self) -> __m256i {
+        // SAFETY: the caller guarantees the ISA.
+        unsafe { _mm256_or_si256(nibbles32(&x.qs), _mm256_and_si256(bits32(x.qh), _mm256_set1_epi8(0x10))) }
+    }
     #[inline(always)]
     unsafe fn lanes<I: IsaOps>(x: &Self, y: &BlockQ8_0) -> __m256i {
         // SAFETY: the caller guarantees the ISA.
@@ -25,6 +32,9 @@ impl Block32 for BlockQ5_0 {
     fn d(&self) -> u16 {
         self.d.to_bits()
     }
+    fn act_quants(y: &BlockQ8_0) -> __m256i {
+        load32(&y.qs)
+    }
     fn act_d(y: &BlockQ8_0) -> u16 {
         y.d.to_bits()
     }
@@ -37,4 +47,15 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ5_0]; R], y: &[BlockQ8_
     unsafe { dot_n::<I, BlockQ5_0, R>(xs, y) }
 }
 
-super::x86_entries!(kernel, BlockQ5_0, BlockQ8_0);
+/// See [`tile`].
+#[inline(always)]
+unsafe fn tile_kernel<I: IsaOps>(
+    xs: [&[BlockQ5_0]; TILE.0],
+    ys: [&[BlockQ8_0]; TILE.1],
+    scratch: &mut Scratch,
+) -> [[f32; TILE.1]; TILE.0] {
+    // SAFETY: forwarded precondition.
+    unsafe { tile::<I, BlockQ5_0>(xs, ys, scratch) }
+}
+
+super::x86_entries!(kernel, tile_kernel, BlockQ5_0, BlockQ8_0);

@@ -2,7 +2,7 @@
 
 use core::arch::x86_64::*;
 
-use super::block32::{dot_n, Block32};
+use super::block32::{dot_n, tile, Block32, Scratch, TILE};
 use super::{bits32, load32, nibbles32, IsaOps};
 use crate::formats::{BlockQ5_1, BlockQ8_1};
 
@@ -11,19 +11,18 @@ impl Block32 for BlockQ5_1 {
     const WITH_MIN: bool = true;
 
     #[inline(always)]
-    unsafe fn lanes<I: IsaOps>(x: &Self, y: &BlockQ8_1) -> __m256i {
+    unsafe fn prepare<I: IsaOps>(x: &Self) -> __m256i {
         // SAFETY: the caller guarantees the ISA.
-        unsafe {
-            let high = _mm256_and_si256(bits32(x.qh), _mm256_set1_epi8(0x10));
-            let q = _mm256_or_si256(nibbles32(&x.qs), high);
-            I::dp(_mm256_setzero_si256(), q, load32(&y.qs))
-        }
+        unsafe { _mm256_or_si256(nibbles32(&x.qs), _mm256_and_si256(bits32(x.qh), _mm256_set1_epi8(0x10))) }
     }
     fn d(&self) -> u16 {
         self.d.to_bits()
     }
     fn m(&self) -> u16 {
         self.m.to_bits()
+    }
+    fn act_quants(y: &BlockQ8_1) -> __m256i {
+        load32(&y.qs)
     }
     fn act_d(y: &BlockQ8_1) -> u16 {
         y.d.to_bits()
@@ -40,4 +39,15 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ5_1]; R], y: &[BlockQ8_
     unsafe { dot_n::<I, BlockQ5_1, R>(xs, y) }
 }
 
-super::x86_entries!(kernel, BlockQ5_1, BlockQ8_1);
+/// See [`tile`].
+#[inline(always)]
+unsafe fn tile_kernel<I: IsaOps>(
+    xs: [&[BlockQ5_1]; TILE.0],
+    ys: [&[BlockQ8_1]; TILE.1],
+    scratch: &mut Scratch,
+) -> [[f32; TILE.1]; TILE.0] {
+    // SAFETY: forwarded precondition.
+    unsafe { tile::<I, BlockQ5_1>(xs, ys, scratch) }
+}
+
+super::x86_entries!(kernel, tile_kernel, BlockQ5_1, BlockQ8_1);

@@ -2,10 +2,55 @@
 
 use core::arch::x86_64::*;
 
-use super::q4_k::{activation_vectors, pair_sums, scaled_total, weighted_sum};
+use super::q4_k::{activation_vectors, pair_sums, scaled_total, tile_scales, weighted_sum};
+use super::superblock::{tile, Prepared, Scratch, SuperBlock, TILE};
 use super::{load32, IsaOps};
 use crate::formats::q4_k::scales_mins_words;
 use crate::formats::{f16_to_f32, BlockQ5K, BlockQ8K};
+
+/// The 5-bit quants, sub-block `j` in vector `j`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn quants(x: &BlockQ5K) -> [__m256i; 8] {
+    let (qs, _) = x.qs.as_chunks::<32>();
+    let low = _mm256_set1_epi8(0x0f);
+    let bit4 = _mm256_set1_epi8(0x10);
+    // Bits 2c and 2c+1 of each qh byte belong to sub-blocks 2c and 2c+1; shift right by
+    // 2 per step. (16-bit shifts leak bits between the two bytes only into bits that are
+    // never read.)
+    let mut h = load32(&x.qh);
+    let mut q = [_mm256_setzero_si256(); 8];
+    for c in 0..4 {
+        let b = load32(&qs[c]);
+        q[2 * c] = _mm256_or_si256(_mm256_and_si256(b, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+        q[2 * c + 1] = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(b, 4), low),
+            _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4),
+        );
+        h = _mm256_srli_epi16(h, 2);
+    }
+    q
+}
+
+impl SuperBlock for BlockQ5K {
+    const WITH_MIN: bool = true;
+    const HALF_SCALES: bool = false;
+
+    #[inline(always)]
+    unsafe fn prepare(&self) -> Prepared {
+        // SAFETY: the caller guarantees AVX2.
+        unsafe {
+            let (scales, bsum_weights) = tile_scales(&self.scales);
+            Prepared { q: quants(self), scales: [scales; 2], bsum_weights }
+        }
+    }
+    fn d(&self) -> f32 {
+        f16_to_f32(self.d)
+    }
+    fn dmin(&self) -> f32 {
+        f16_to_f32(self.dmin)
+    }
+}
 
 /// Dot products of `R` weight rows with one activation row.
 ///
@@ -22,24 +67,10 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ5K]; R], y: &[BlockQ8K]
             for r in 0..R {
                 let xb = &xs[r][i];
                 let (sc, mn) = scales_mins_words(&xb.scales);
-                let (qs, _) = xb.qs.as_chunks::<32>();
-                let low = _mm256_set1_epi8(0x0f);
-                let bit4 = _mm256_set1_epi8(0x10);
-                // Bits 2c and 2c+1 of each qh byte belong to sub-blocks 2c and 2c+1;
-                // shift right by 2 per step. (16-bit shifts leak bits between the two
-                // bytes only into bits 6-7, which are never read.)
-                let mut h = load32(&xb.qh);
+                let q = quants(xb);
                 let mut v = [_mm256_setzero_si256(); 8];
-                for c in 0..4 {
-                    let q = load32(&qs[c]);
-                    let lo = _mm256_or_si256(_mm256_and_si256(q, low), _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
-                    let hi = _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(q, 4), low),
-                        _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4),
-                    );
-                    v[2 * c] = I::dp(_mm256_setzero_si256(), lo, yv[2 * c]);
-                    v[2 * c + 1] = I::dp(_mm256_setzero_si256(), hi, yv[2 * c + 1]);
-                    h = _mm256_srli_epi16(h, 2);
+                for j in 0..8 {
+                    v[j] = I::dp(_mm256_setzero_si256(), q[j], yv[j]);
                 }
                 let sumi = scaled_total(&v, sc);
                 let summ = weighted_sum(pairs, mn);
@@ -52,4 +83,15 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ5K]; R], y: &[BlockQ8K]
     }
 }
 
-super::x86_entries!(kernel, BlockQ5K, BlockQ8K);
+/// See [`tile`].
+#[inline(always)]
+unsafe fn tile_kernel<I: IsaOps>(
+    xs: [&[BlockQ5K]; TILE.0],
+    ys: [&[BlockQ8K]; TILE.1],
+    scratch: &mut Scratch,
+) -> [[f32; TILE.1]; TILE.0] {
+    // SAFETY: forwarded precondition.
+    unsafe { tile::<I, BlockQ5K>(xs, ys, scratch) }
+}
+
+super::x86_entries!(kernel, tile_kernel, BlockQ5K, BlockQ8K);

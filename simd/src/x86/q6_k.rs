@@ -4,8 +4,56 @@
 use core::arch::x86_64::*;
 
 use super::q4_k::activation_vectors;
+use super::superblock::{tile, Prepared, Scratch, SuperBlock, TILE};
 use super::{hsum_i32, load16, load32, IsaOps};
 use crate::formats::{f16_to_f32, BlockQ6K, BlockQ8K};
+
+/// The unsigned 6-bit quants, elements `32j .. 32j + 32` in vector `j`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn quants(x: &BlockQ6K) -> [__m256i; 8] {
+    let (ql, _) = x.ql.as_chunks::<32>();
+    let (qh, _) = x.qh.as_chunks::<32>();
+    let low = _mm256_set1_epi8(0x0f);
+    let top = _mm256_set1_epi8(0x30);
+    let mut q = [_mm256_setzero_si256(); 8];
+    for h in 0..2 {
+        let (l0, l1, hb) = (load32(&ql[2 * h]), load32(&ql[2 * h + 1]), load32(&qh[h]));
+        // Elements 0-31, 32-63, 64-95, 96-127 of the half; qh bits 0-1, 2-3, 4-5, 6-7
+        // moved to bits 4-5.
+        q[4 * h] = _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top));
+        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top));
+        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, top));
+        q[4 * h + 3] = _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
+            _mm256_and_si256(_mm256_srli_epi16(hb, 2), top),
+        );
+    }
+    q
+}
+
+impl SuperBlock for BlockQ6K {
+    const WITH_MIN: bool = false;
+    const HALF_SCALES: bool = true;
+
+    #[inline(always)]
+    unsafe fn prepare(&self) -> Prepared {
+        // SAFETY: the caller guarantees AVX2.
+        unsafe {
+            // Group g covers elements 16g .. 16g + 16: sub-block j's halves are groups
+            // 2j and 2j + 1.
+            let raw = load16(&self.scales);
+            let split = _mm_shuffle_epi8(raw, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15));
+            let scales = [_mm256_cvtepi8_epi32(split), _mm256_cvtepi8_epi32(_mm_srli_si128(split, 8))];
+            // The offset: −32 · Σ scale·bsum.
+            let bsum_weights = _mm256_mullo_epi16(_mm256_cvtepi8_epi16(raw), _mm256_set1_epi16(-32));
+            Prepared { q: quants(self), scales, bsum_weights }
+        }
+    }
+    fn d(&self) -> f32 {
+        f16_to_f32(self.d)
+    }
+}
 
 /// Dot products of `R` weight rows with one activation row.
 ///
@@ -16,8 +64,6 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ6K]; R], y: &[BlockQ8K]
     // SAFETY: the caller guarantees the ISA.
     unsafe {
         let mut acc = [0f32; R];
-        let low = _mm256_set1_epi8(0x0f);
-        let top = _mm256_set1_epi8(0x30);
         // Scale order matching the lanes of the group sums below: even groups of each
         // vector pair first, then odd ones.
         let order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
@@ -26,25 +72,10 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ6K]; R], y: &[BlockQ8K]
             let bsums = load32(&yb.bsums);
             for r in 0..R {
                 let xb = &xs[r][i];
-                let (ql, _) = xb.ql.as_chunks::<32>();
-                let (qh, _) = xb.qh.as_chunks::<32>();
+                let q = quants(xb);
                 let mut v = [_mm256_setzero_si256(); 8];
-                for h in 0..2 {
-                    let (l0, l1, hb) = (load32(&ql[2 * h]), load32(&ql[2 * h + 1]), load32(&qh[h]));
-                    // Elements 0-31, 32-63, 64-95, 96-127 of the half; qh bits 0-1, 2-3,
-                    // 4-5, 6-7 moved to bits 4-5.
-                    let q = [
-                        _mm256_or_si256(_mm256_and_si256(l0, low), _mm256_and_si256(_mm256_slli_epi16(hb, 4), top)),
-                        _mm256_or_si256(_mm256_and_si256(l1, low), _mm256_and_si256(_mm256_slli_epi16(hb, 2), top)),
-                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(hb, top)),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16(l1, 4), low),
-                            _mm256_and_si256(_mm256_srli_epi16(hb, 2), top),
-                        ),
-                    ];
-                    for k in 0..4 {
-                        v[4 * h + k] = I::dp(_mm256_setzero_si256(), q[k], yv[4 * h + k]);
-                    }
+                for j in 0..8 {
+                    v[j] = I::dp(_mm256_setzero_si256(), q[j], yv[j]);
                 }
                 // Lanes 0-3 of v[i] are group 2i, lanes 4-7 group 2i+1. Two rounds of
                 // hadd give [G0 G2 G4 G6 | G1 G3 G5 G7] and [G8 .. G14 | G9 .. G15].
@@ -64,4 +95,15 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ6K]; R], y: &[BlockQ8K]
     }
 }
 
-super::x86_entries!(kernel, BlockQ6K, BlockQ8K);
+/// See [`tile`].
+#[inline(always)]
+unsafe fn tile_kernel<I: IsaOps>(
+    xs: [&[BlockQ6K]; TILE.0],
+    ys: [&[BlockQ8K]; TILE.1],
+    scratch: &mut Scratch,
+) -> [[f32; TILE.1]; TILE.0] {
+    // SAFETY: forwarded precondition.
+    unsafe { tile::<I, BlockQ6K>(xs, ys, scratch) }
+}
+
+super::x86_entries!(kernel, tile_kernel, BlockQ6K, BlockQ8K);

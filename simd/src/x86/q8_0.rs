@@ -2,7 +2,7 @@
 
 use core::arch::x86_64::*;
 
-use super::block32::{dot_n, sign_trick, Block32};
+use super::block32::{dot_n, sign_trick, tile, Block32, Scratch, TILE};
 use super::{load32, IsaOps};
 use crate::formats::BlockQ8_0;
 
@@ -11,15 +11,22 @@ impl Block32 for BlockQ8_0 {
     const WITH_MIN: bool = false;
 
     #[inline(always)]
-    unsafe fn lanes<I: IsaOps>(x: &Self, y: &BlockQ8_0) -> __m256i {
+    unsafe fn prepare<I: IsaOps>(x: &Self) -> __m256i {
+        load32(&x.qs)
+    }
+    #[inline(always)]
+    unsafe fn dp_prepared<I: IsaOps>(acc: __m256i, p: __m256i, y: __m256i) -> __m256i {
         // SAFETY: the caller guarantees the ISA.
         unsafe {
-            let (u, s) = sign_trick(load32(&x.qs), load32(&y.qs));
-            I::dp(_mm256_setzero_si256(), u, s)
+            let (u, s) = sign_trick(p, y);
+            I::dp(acc, u, s)
         }
     }
     fn d(&self) -> u16 {
         self.d.to_bits()
+    }
+    fn act_quants(y: &BlockQ8_0) -> __m256i {
+        load32(&y.qs)
     }
     fn act_d(y: &BlockQ8_0) -> u16 {
         y.d.to_bits()
@@ -33,4 +40,15 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ8_0]; R], y: &[BlockQ8_
     unsafe { dot_n::<I, BlockQ8_0, R>(xs, y) }
 }
 
-super::x86_entries!(kernel, BlockQ8_0, BlockQ8_0);
+/// See [`tile`].
+#[inline(always)]
+unsafe fn tile_kernel<I: IsaOps>(
+    xs: [&[BlockQ8_0]; TILE.0],
+    ys: [&[BlockQ8_0]; TILE.1],
+    scratch: &mut Scratch,
+) -> [[f32; TILE.1]; TILE.0] {
+    // SAFETY: forwarded precondition.
+    unsafe { tile::<I, BlockQ8_0>(xs, ys, scratch) }
+}
+
+super::x86_entries!(kernel, tile_kernel, BlockQ8_0, BlockQ8_0);

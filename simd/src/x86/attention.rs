@@ -1,0 +1,185 @@
+//! The attention kernels of [`crate::attention`] on AVX2 (8 lanes, F16C conversions)
+//! and AVX-512 (16 lanes): the vector operations, and the table entries instantiating
+//! the generic bodies with them.
+
+use core::arch::x86_64::*;
+
+use half::f16;
+
+use super::{load16, load32};
+use crate::attention::Lanes;
+use crate::dispatch::AttentionKernels;
+
+impl Lanes<8> for __m256 {
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        // SAFETY: the caller runs with AVX2 enabled (as for every method here).
+        unsafe { _mm256_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(x: &[f32; 8]) -> Self {
+        bytemuck::cast(*x)
+    }
+    #[inline(always)]
+    unsafe fn load_f16(x: &[f16; 8]) -> Self {
+        // SAFETY: F16C is part of the AVX2 table's features.
+        unsafe { _mm256_cvtph_ps(load16(x)) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, out: &mut [f32; 8]) {
+        *out = bytemuck::cast(self);
+    }
+    #[inline(always)]
+    unsafe fn add(self, other: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm256_add_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn sub(self, other: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm256_sub_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn mul(self, other: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm256_mul_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, m: Self, a: Self) -> Self {
+        // SAFETY: FMA is part of the AVX2 table's features.
+        unsafe { _mm256_fmadd_ps(self, m, a) }
+    }
+    #[inline(always)]
+    unsafe fn min(self, other: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm256_min_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn max(self, other: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm256_max_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn exp2_int(self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe {
+            let biased = _mm256_add_epi32(_mm256_cvtps_epi32(self), _mm256_set1_epi32(127));
+            _mm256_castsi256_ps(_mm256_slli_epi32(biased, 23))
+        }
+    }
+    #[inline(always)]
+    unsafe fn sum(self) -> f32 {
+        // SAFETY: see `splat`.
+        unsafe { super::reduce8_ps(self) }
+    }
+}
+
+impl Lanes<16> for __m512 {
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        // SAFETY: the caller runs with AVX-512F enabled (as for every method here).
+        unsafe { _mm512_set1_ps(x) }
+    }
+    #[inline(always)]
+    unsafe fn load(x: &[f32; 16]) -> Self {
+        bytemuck::cast(*x)
+    }
+    #[inline(always)]
+    unsafe fn load_f16(x: &[f16; 16]) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm512_cvtph_ps(load32(x)) }
+    }
+    #[inline(always)]
+    unsafe fn store(self, out: &mut [f32; 16]) {
+        *out = bytemuck::cast(self);
+    }
+    #[inline(always)]
+    unsafe fn add(self, other: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm512_add_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn sub(self, other: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm512_sub_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn mul(self, other: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm512_mul_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn mul_add(self, m: Self, a: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm512_fmadd_ps(self, m, a) }
+    }
+    #[inline(always)]
+    unsafe fn min(self, other: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm512_min_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn max(self, other: Self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm512_max_ps(self, other) }
+    }
+    #[inline(always)]
+    unsafe fn exp2_int(self) -> Self {
+        // SAFETY: see `splat`.
+        unsafe {
+            let biased = _mm512_add_epi32(_mm512_cvtps_epi32(self), _mm512_set1_epi32(127));
+            _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23))
+        }
+    }
+    #[inline(always)]
+    unsafe fn sum(self) -> f32 {
+        // SAFETY: see `splat`.
+        unsafe { _mm512_reduce_add_ps(self) }
+    }
+}
+
+/// Defines the module `$module` of table entries instantiating the attention kernels
+/// with the vector `$V` of `$L` lanes, compiled for `$features`.
+macro_rules! attention_entries {
+    ($module:ident, $V:ty, $L:literal, $features:literal) => {
+        mod $module {
+            use super::*;
+
+            /// # Safety
+            /// The CPU must support the features; lengths as `dispatch::ScoresFn`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn scores(q: &[f32], keys: &[f16], out: &mut [f32]) {
+                // SAFETY: this function enables the features.
+                unsafe { crate::attention::scores::<$V, $L>(q, keys, out) }
+            }
+
+            /// # Safety
+            /// The CPU must support the features.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn softmax_exp(x: &mut [f32], max: f32) -> f32 {
+                // SAFETY: this function enables the features.
+                unsafe { crate::attention::softmax_exp::<$V, $L>(x, max) }
+            }
+
+            /// # Safety
+            /// The CPU must support the features; lengths as `dispatch::AddWeightedFn`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn add_weighted(weights: &[f32], values: &[f16], out: &mut [f32]) {
+                // SAFETY: this function enables the features.
+                unsafe { crate::attention::add_weighted::<$V, $L>(weights, values, out) }
+            }
+        }
+    };
+}
+
+// The feature lists are those `Isa::is_supported` checks (AVX-512 needs fewer).
+attention_entries!(avx2, __m256, 8, "avx2,fma,f16c");
+attention_entries!(avx512, __m512, 16, "avx2,fma,f16c,avx512f,avx512bw,avx512vl");
+
+/// The AVX2 attention entries.
+pub(super) const AVX2: AttentionKernels =
+    AttentionKernels { scores: avx2::scores, softmax_exp: avx2::softmax_exp, add_weighted: avx2::add_weighted };
+
+/// The AVX-512 attention entries.
+pub(super) const AVX512: AttentionKernels =
+    AttentionKernels { scores: avx512::scores, softmax_exp: avx512::softmax_exp, add_weighted: avx512::add_weighted };

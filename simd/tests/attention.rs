@@ -1,0 +1,140 @@
+//! The attention kernels on every ISA against f64 references: scores and weighted sums
+//! within 1e-5 of Σ|products|, exponentials within 2e-7 relative.
+
+mod common;
+
+use common::*;
+use half::f16;
+use proptest::prelude::{any, prop_assert, proptest, ProptestConfig, TestCaseError};
+
+/// An f16 in roughly [-4, 4], as attention keys, values and rounded queries are.
+fn random_f16(rng: &mut Rng) -> f16 {
+    f16::from_f64(rng.normal())
+}
+
+fn random_f16s(n: usize, rng: &mut Rng) -> Vec<f16> {
+    (0..n).map(|_| random_f16(rng)).collect()
+}
+
+/// Whether `got` is within `rel` of `want` relative to the magnitude `mag` of the terms
+/// that were summed.
+fn close(got: f32, want: f64, mag: f64, rel: f64) -> bool {
+    (got as f64 - want).abs() <= rel * mag + 1e-30
+}
+
+fn check_scores(dim: usize, n: usize, seed: u64) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    let q: Vec<f32> = random_f16s(dim, &mut rng).iter().map(|h| h.to_f32()).collect();
+    let keys = random_f16s(n * dim, &mut rng);
+    for k in all_tables() {
+        let mut out = vec![f32::NAN; n];
+        k.scores_f16(&q, &keys, &mut out);
+        for (j, (&got, key)) in out.iter().zip(keys.chunks_exact(dim)).enumerate() {
+            let terms = q.iter().zip(key).map(|(&a, b)| a as f64 * b.to_f64());
+            let (want, mag) = terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()));
+            prop_assert!(close(got, want, mag, 1e-5), "key {j} of {n}, dim {dim} on {}: {got} vs {want}", k.isa());
+        }
+    }
+    Ok(())
+}
+
+fn check_add_weighted(dim: usize, n: usize, seed: u64) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    // Probabilities, rounded to f16 as attention's are.
+    let weights: Vec<f32> = (0..n).map(|_| f16::from_f64(rng.unit()).to_f32()).collect();
+    let values = random_f16s(n * dim, &mut rng);
+    let start: Vec<f32> = (0..dim).map(|_| rng.normal() as f32).collect();
+    for k in all_tables() {
+        let mut out = start.clone();
+        k.add_weighted_f16(&weights, &values, &mut out);
+        for (i, &got) in out.iter().enumerate() {
+            let terms = weights.iter().zip(values.chunks_exact(dim)).map(|(&w, v)| w as f64 * v[i].to_f64());
+            let (want, mag) = terms.fold((start[i] as f64, (start[i] as f64).abs()), |(s, m), t| (s + t, m + t.abs()));
+            prop_assert!(close(got, want, mag, 1e-5), "column {i} of {dim}, {n} rows on {}: {got} vs {want}", k.isa());
+        }
+    }
+    Ok(())
+}
+
+fn check_softmax_exp(n: usize, seed: u64) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    let x: Vec<f32> = (0..n).map(|_| (rng.normal() * 10.0) as f32).collect();
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for k in all_tables() {
+        let mut e = x.clone();
+        let sum = k.softmax_exp(&mut e, max);
+        let mut want_sum = 0.0;
+        for (&got, &x) in e.iter().zip(&x) {
+            // The kernel subtracts in f32; the reference exponentiates that argument.
+            let want = ((x - max) as f64).exp();
+            want_sum += want;
+            prop_assert!(close(got, want, want, 2e-7), "exp({}) on {}: {got} vs {want}", x - max, k.isa());
+        }
+        prop_assert!(close(sum, want_sum, want_sum, 1e-6), "sum of {n} on {}: {sum} vs {want_sum}", k.isa());
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    #[test]
+    fn scores_match_f64(dim in 1usize..=300, n in 0usize..=13, seed in any::<u64>()) {
+        check_scores(dim, n, seed)?;
+    }
+
+    #[test]
+    fn add_weighted_matches_f64(dim in 1usize..=300, n in 0usize..=13, seed in any::<u64>()) {
+        check_add_weighted(dim, n, seed)?;
+    }
+
+    #[test]
+    fn softmax_exp_matches_f64(n in 0usize..=70, seed in any::<u64>()) {
+        check_softmax_exp(n, seed)?;
+    }
+}
+
+/// Head sizes models use, and the edges of every vector width and unroll.
+#[test]
+fn head_sizes_and_edges() {
+    for dim in [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 256] {
+        for n in [1, 3, 4, 5, 8, 9] {
+            let seed = (dim * 100 + n) as u64;
+            check_scores(dim, n, seed).unwrap();
+            check_add_weighted(dim, n, seed).unwrap();
+        }
+    }
+}
+
+/// Every 997th f32 argument from −87.3 (whose exp is the smallest normal f32) to 88,
+/// against f64.
+#[test]
+fn exp_is_accurate_over_its_range() {
+    let lo = f32::MIN_POSITIVE.ln();
+    let x: Vec<f32> = ((-0f32).to_bits()..=lo.to_bits())
+        .chain(0f32.to_bits()..=88f32.to_bits())
+        .step_by(997)
+        .map(f32::from_bits)
+        .collect();
+    for k in all_tables() {
+        let mut e = x.clone();
+        k.softmax_exp(&mut e, 0.0);
+        let worst = x
+            .iter()
+            .zip(&e)
+            .map(|(&x, &got)| ((got as f64 - (x as f64).exp()) / (x as f64).exp()).abs())
+            .fold(0.0, f64::max);
+        assert!(worst < 2e-7, "max relative error {worst:e} on {}", k.isa());
+    }
+}
+
+#[test]
+fn exp_flushes_tiny_results_and_ignores_padding() {
+    for k in all_tables() {
+        let mut x = [0.0, -90.0, -1e30, f32::NEG_INFINITY, -1.0];
+        let sum = k.softmax_exp(&mut x, 0.0);
+        assert_eq!(&x[..4], &[1.0, 0.0, 0.0, 0.0], "on {}", k.isa());
+        assert!(close(x[4], (-1f64).exp(), 1.0, 2e-7), "on {}", k.isa());
+        assert_eq!(sum, x[0] + x[4], "on {}", k.isa());
+    }
+}
