@@ -2,7 +2,7 @@
 //! Prompts are prefilled in batches of up to [`Session::batch`] tokens,
 //! then tokens are decoded one at a time against the same cache.
 
-use crate::kv::KvCache;
+use crate::kv::{KvCache, Storage};
 use crate::matmul::MatmulScratch;
 use crate::model::{Model, Outputs, Scratch};
 
@@ -39,10 +39,16 @@ impl<'m> Session<'m> {
     /// A session whose prefill batches hold at most `batch` tokens (smaller
     /// batches shrink the sliding-window rings and the scratch buffers).
     pub fn with_batch(model: &'m Model<'m>, n_ctx: usize, batch: usize) -> Self {
+        Self::with_cache(model, n_ctx, batch, Storage::default())
+    }
+
+    /// A session whose cache stores its tokens as `storage` says
+    /// (`--kv-cache`).
+    pub fn with_cache(model: &'m Model<'m>, n_ctx: usize, batch: usize, storage: Storage) -> Self {
         let batch = batch.clamp(1, n_ctx.max(1));
         Self {
             model,
-            cache: KvCache::new(&model.cache_shape(), n_ctx, batch),
+            cache: KvCache::new(&model.cache_shape(), storage, n_ctx, batch),
             scratch: Scratch::default(),
             head_scratch: MatmulScratch::default(),
             logits: Vec::new(),

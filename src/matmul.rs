@@ -2,9 +2,11 @@
 //!
 //! Activations are quantized once per product to the weight format's
 //! activation type (Q8_0, Q8_1 or Q8_K, as ggml pairs them), then every weight
-//! row is dotted against every activation row with the kernels of [`simd`].
-//! Work is split across the pool by blocks of output rows, so each block of
-//! weights is read from memory once for all tokens of a batch.
+//! row is dotted against every activation row with the kernels of [`simd`]: one
+//! row at a time when decoding, tiles of rows × tokens for a batch
+//! ([`simd::Kernels::dot_tile`], bit-identical to the single dots). Work is split
+//! across the pool by blocks of output rows, so each block of weights is read from
+//! memory once for all tokens of a batch.
 
 use rayon::prelude::*;
 use simd::{kernels, WeightType};
@@ -93,17 +95,17 @@ impl<'a> Matrix<'a> {
         });
     }
 
-    /// Rows per task: enough tasks to balance the pool, few enough that each
-    /// task's weights stay cache-resident while all tokens pass over them, and (for
-    /// tiles) a whole number of tiles.
+    /// Rows per task. Decoding: enough tasks to balance the pool. Tiles (several
+    /// tokens): each task packs every token's activations once for all its rows, so
+    /// fewer, larger tasks — two per thread, a whole number of tiles, weights within L2.
     fn row_block(&self, n_tokens: usize) -> usize {
-        let tasks = rayon::current_num_threads() * 8;
-        let by_balance = self.rows.div_ceil(tasks);
+        let threads = rayon::current_num_threads();
         let block = if n_tokens == 1 {
-            by_balance
+            self.rows.div_ceil(threads * 8)
         } else {
             let tile = kernels().tile_rows();
-            let by_cache = 32 * 1024 / self.row_bytes.max(1);
+            let by_balance = self.rows.div_ceil(threads * 2);
+            let by_cache = 256 * 1024 / self.row_bytes.max(1);
             (by_balance.min(by_cache) / tile).max(1) * tile
         };
         block.clamp(1, self.rows.max(1))

@@ -1,11 +1,60 @@
-//! Perplexity as llama-perplexity measures it: the text is cut into
-//! non-overlapping chunks of `n_ctx` tokens, each chunk is evaluated from an
-//! empty cache with BOS in place of its first token, and only the second half
-//! of each chunk is scored (so every scored token has at least `n_ctx / 2`
-//! tokens of context).
+//! Perplexity as llama-perplexity measures it: the text is cut into windows
+//! of `n_ctx` tokens, each window is evaluated from an empty cache with BOS in
+//! place of its first token, and only its last tokens are scored, so that
+//! every scored token has plenty of context. By default the windows do not
+//! overlap and their second halves are scored; with a stride `s`
+//! (llama-perplexity's `--ppl-stride`) a window starts every `s` tokens and
+//! its last `s` predictions are scored, each with at least `n_ctx - s - 1`
+//! tokens of context.
+//!
+//! A run can also be compared with a base run (the f16 cache, say) token by
+//! token. Keeping the base's full distributions is out of the question (44K
+//! tokens of a 262K vocabulary are 23 GB in f16), so the base keeps, per
+//! scored token, its [`TOP_K`] most likely tokens with their log-probabilities;
+//! the KL divergence is taken over those tokens plus one bin holding the rest
+//! of each distribution's mass. Merging outcomes never raises a divergence,
+//! so this is a lower bound on the full KL, and a tight one where the base
+//! puts little mass outside its top tokens.
+
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::Path;
 
 use crate::engine::{EngineError, Session};
 use crate::matmul::MatmulScratch;
+
+/// Tokens a base run keeps per scored position.
+pub const TOP_K: usize = 32;
+
+/// How to cut a text into windows.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Windows {
+    /// Evaluate at most this many windows.
+    pub max: Option<usize>,
+    /// Start a window every `stride` tokens and score its last `stride`
+    /// predictions; `None`: non-overlapping windows, second halves scored.
+    pub stride: Option<usize>,
+}
+
+/// One scored position of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scored {
+    /// The token that came next, and its log-probability.
+    pub target: u32,
+    pub log_prob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first
+    /// (ties by lower id); empty unless asked for.
+    pub top: Vec<(u32, f32)>,
+    /// Against a base run: the KL divergence from the base's distribution,
+    /// and whether the most likely tokens agree.
+    pub kl: Option<(f64, bool)>,
+}
+
+/// A text's evaluation: every scored position, in order.
+#[derive(Debug, Clone, Default)]
+pub struct Evaluation {
+    pub windows: usize,
+    pub scored: Vec<Scored>,
+}
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct PerplexityReport {
@@ -17,10 +66,28 @@ pub struct PerplexityReport {
     pub mean_nll: f64,
 }
 
+/// How a run's distributions differ from its base's.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KlReport {
+    pub kl_mean: f64,
+    pub kl_p99: f64,
+    pub kl_max: f64,
+    /// Share of positions whose most likely token is the base's.
+    pub top1_agreement: f64,
+    /// The base run's perplexity over the same tokens.
+    pub base_ppl: f64,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum PerplexityError {
     #[error("the text has {tokens} tokens; a context of {n_ctx} needs at least {n_ctx}")]
     TooShort { tokens: usize, n_ctx: usize },
+    #[error("a stride of {stride} needs a context larger than it (-c {n_ctx})")]
+    Stride { stride: usize, n_ctx: usize },
+    #[error("the base run scored different tokens than this one (other text, context, stride or chunks?)")]
+    BaseMismatch,
+    #[error("{path}: {message}")]
+    BaseFile { path: String, message: String },
     #[error(transparent)]
     Engine(#[from] EngineError),
 }
@@ -30,30 +97,33 @@ pub enum PerplexityError {
 /// modest (the vocabulary may have 262 144 entries).
 const LOGIT_ROWS: usize = 32;
 
-/// `progress(chunks_done, total_chunks)` is called after every chunk.
-pub fn perplexity(
+/// Evaluates `tokens`, keeping the `keep_top` most likely tokens of every
+/// scored position, and comparing with `base` where given: a base run's
+/// scored positions from this text's first on (more may follow, of other
+/// texts). `progress(tokens_evaluated)`
+/// is called after every batch.
+pub fn evaluate(
     session: &mut Session,
     tokens: &[u32],
     bos: Option<u32>,
-    max_chunks: Option<usize>,
-    mut progress: impl FnMut(usize, usize),
-) -> Result<PerplexityReport, PerplexityError> {
+    windows: Windows,
+    keep_top: usize,
+    base: Option<&[Scored]>,
+    mut progress: impl FnMut(usize),
+) -> Result<Evaluation, PerplexityError> {
     let n_ctx = session.n_ctx();
-    let available = tokens.len() / n_ctx;
-    if available == 0 {
-        return Err(PerplexityError::TooShort { tokens: tokens.len(), n_ctx });
-    }
-    let n_chunks = max_chunks.map_or(available, |m| m.clamp(1, available));
+    let (step, first_scored) = layout(n_ctx, windows.stride)?;
+    let n_windows = window_count(tokens.len(), n_ctx, windows)?;
     let model = session.model();
-    let n_vocab = model.hp.n_vocab;
-    let n_embd = model.hp.n_embd;
-    let first_scored = n_ctx / 2;
+    let (n_vocab, n_embd) = (model.hp.n_vocab, model.hp.n_embd);
     let mut logits = vec![0.0f32; LOGIT_ROWS * n_vocab];
     let mut head = MatmulScratch::default();
-    let (mut nll, mut nll2, mut count) = (0.0f64, 0.0f64, 0usize);
+    let mut order: Vec<u32> = Vec::new();
+    let mut scored = Vec::new();
+    let mut evaluated = 0;
 
-    for chunk in 0..n_chunks {
-        let text = &tokens[chunk * n_ctx..(chunk + 1) * n_ctx];
+    for window in 0..n_windows {
+        let text = &tokens[window * step..][..n_ctx];
         session.reset();
         let mut batch_tokens = Vec::with_capacity(session.batch());
         for start in (0..n_ctx).step_by(session.batch()) {
@@ -66,33 +136,204 @@ pub fn perplexity(
                 }
             }
             let hidden = session.evaluate_all(&batch_tokens)?;
-            // Position k predicts text[k + 1]; score k in [n_ctx/2, n_ctx - 1).
-            let scored = start.max(first_scored)..end.min(n_ctx - 1);
-            for group in scored.clone().step_by(LOGIT_ROWS) {
-                let rows = group..(group + LOGIT_ROWS).min(scored.end);
-                let n = rows.len();
-                let h = &hidden[(rows.start - start) * n_embd..(rows.end - start) * n_embd];
+            // Position k predicts text[k + 1].
+            let rows = start.max(first_scored)..end.min(n_ctx - 1);
+            for group in rows.clone().step_by(LOGIT_ROWS) {
+                let group = group..(group + LOGIT_ROWS).min(rows.end);
+                let n = group.len();
+                let h = &hidden[(group.start - start) * n_embd..(group.end - start) * n_embd];
                 model.logits(h, &mut logits[..n * n_vocab], &mut head);
-                for (k, row) in rows.zip(logits.chunks_exact(n_vocab)) {
-                    let lp = f64::from(log_softmax_at(row, text[k + 1] as usize));
-                    nll -= lp;
-                    nll2 += lp * lp;
-                    count += 1;
+                for (k, row) in group.zip(logits.chunks_exact(n_vocab)) {
+                    let lse = log_sum_exp(row);
+                    let target = text[k + 1];
+                    let kl = match base {
+                        Some(base) => {
+                            let b = base.get(scored.len()).filter(|b| b.target == target);
+                            Some(compare(b.ok_or(PerplexityError::BaseMismatch)?, row, lse))
+                        }
+                        None => None,
+                    };
+                    scored.push(Scored {
+                        target,
+                        log_prob: log_prob(row, target, lse),
+                        top: top_tokens(row, lse, keep_top, &mut order),
+                        kl,
+                    });
                 }
             }
+            evaluated += end - start;
+            progress(evaluated);
         }
-        progress(chunk + 1, n_chunks);
     }
-    let mean = nll / count as f64;
-    let var = nll2 / count as f64 - mean * mean;
-    let stderr = if var > 0.0 && count > 1 { (var / (count - 1) as f64).sqrt() } else { 0.0 };
-    let ppl = mean.exp();
-    Ok(PerplexityReport { ppl, ppl_stderr: ppl * stderr, tokens_scored: count, chunks: n_chunks, mean_nll: mean })
+    Ok(Evaluation { windows: n_windows, scored })
 }
 
-/// `log softmax(row)[target]`, stable.
-pub fn log_softmax_at(row: &[f32], target: usize) -> f32 {
+/// The tokens [`evaluate`] will run `tokens` through, all windows together.
+pub fn tokens_to_evaluate(n_tokens: usize, n_ctx: usize, windows: Windows) -> Result<usize, PerplexityError> {
+    Ok(window_count(n_tokens, n_ctx, windows)? * n_ctx)
+}
+
+/// The step between windows and the first scored position of a window.
+fn layout(n_ctx: usize, stride: Option<usize>) -> Result<(usize, usize), PerplexityError> {
+    match stride {
+        None => Ok((n_ctx, n_ctx / 2)),
+        Some(stride) if stride == 0 || stride + 1 >= n_ctx => Err(PerplexityError::Stride { stride, n_ctx }),
+        Some(stride) => Ok((stride, n_ctx - 1 - stride)),
+    }
+}
+
+fn window_count(n_tokens: usize, n_ctx: usize, windows: Windows) -> Result<usize, PerplexityError> {
+    let (step, _) = layout(n_ctx, windows.stride)?;
+    if n_tokens < n_ctx {
+        return Err(PerplexityError::TooShort { tokens: n_tokens, n_ctx });
+    }
+    let available = (n_tokens - n_ctx) / step + 1;
+    Ok(windows.max.map_or(available, |m| m.clamp(1, available)))
+}
+
+impl PerplexityReport {
+    /// The perplexity of `scored` positions, evaluated in `chunks` windows.
+    pub fn of(scored: &[Scored], chunks: usize) -> Self {
+        let count = scored.len();
+        let nll: f64 = scored.iter().map(|s| -f64::from(s.log_prob)).sum();
+        let nll2: f64 = scored.iter().map(|s| f64::from(s.log_prob).powi(2)).sum();
+        let mean = nll / count as f64;
+        let var = nll2 / count as f64 - mean * mean;
+        let stderr = if var > 0.0 && count > 1 { (var / (count - 1) as f64).sqrt() } else { 0.0 };
+        let ppl = mean.exp();
+        Self { ppl, ppl_stderr: ppl * stderr, tokens_scored: count, chunks, mean_nll: mean }
+    }
+}
+
+impl KlReport {
+    /// The comparison of `scored` positions (from a run given a base) with
+    /// the `base` run's.
+    pub fn of(scored: &[Scored], base: &[Scored]) -> Option<Self> {
+        let mut kl: Vec<f64> = scored.iter().map(|s| s.kl.map(|(kl, _)| kl)).collect::<Option<_>>()?;
+        if kl.is_empty() {
+            return None;
+        }
+        let agree = scored.iter().filter(|s| s.kl.is_some_and(|(_, agree)| agree)).count();
+        let mean = kl.iter().sum::<f64>() / kl.len() as f64;
+        kl.sort_by(f64::total_cmp);
+        let p99 = kl[((kl.len() - 1) as f64 * 0.99).round() as usize];
+        Some(Self {
+            kl_mean: mean,
+            kl_p99: p99,
+            kl_max: kl[kl.len() - 1],
+            top1_agreement: agree as f64 / scored.len() as f64,
+            base_ppl: PerplexityReport::of(base, 0).ppl,
+        })
+    }
+}
+
+/// `ln Σ exp(row)`, stable.
+fn log_sum_exp(row: &[f32]) -> f64 {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let sum: f64 = row.iter().map(|&l| f64::from(l - max).exp()).sum();
-    row[target] - max - sum.ln() as f32
+    f64::from(max) + sum.ln()
+}
+
+/// The log-probability of `token` given the row's log-sum-exp `lse`.
+fn log_prob(row: &[f32], token: u32, lse: f64) -> f32 {
+    (f64::from(row[token as usize]) - lse) as f32
+}
+
+/// The `k` most likely tokens of `row`, most likely first, ties by lower id.
+fn top_tokens(row: &[f32], lse: f64, k: usize, order: &mut Vec<u32>) -> Vec<(u32, f32)> {
+    if k == 0 {
+        return Vec::new();
+    }
+    let k = k.min(row.len());
+    let rank = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+    order.clear();
+    order.extend(0..row.len() as u32);
+    order.select_nth_unstable_by(k - 1, rank);
+    order[..k].sort_unstable_by(rank);
+    order[..k].iter().map(|&id| (id, log_prob(row, id, lse))).collect()
+}
+
+/// KL(base ‖ row) over the base's top tokens and the rest of the mass, and
+/// whether the row's most likely token is the base's.
+fn compare(base: &Scored, row: &[f32], lse: f64) -> (f64, bool) {
+    let (mut kl, mut p_top, mut q_top) = (0.0, 0.0, 0.0);
+    for &(id, lp) in &base.top {
+        let lq = log_prob(row, id, lse);
+        let p = f64::from(lp).exp();
+        kl += p * (f64::from(lp) - f64::from(lq));
+        p_top += p;
+        q_top += f64::from(lq).exp();
+    }
+    let (p_rest, q_rest) = ((1.0 - p_top).max(0.0), (1.0 - q_top).max(f64::MIN_POSITIVE));
+    if p_rest > 0.0 {
+        kl += p_rest * (p_rest.ln() - q_rest.ln());
+    }
+    let argmax = row.iter().enumerate().fold(0, |best, (i, &l)| if l > row[best] { i } else { best });
+    let agree = base.top.first().is_some_and(|&(id, _)| id as usize == argmax);
+    (kl.max(0.0), agree)
+}
+
+const MAGIC: &[u8; 8] = b"siftkld1";
+
+/// Writes a base run's scored positions (with their top tokens) to `path`:
+/// little-endian, `MAGIC`, the top count `k` and the position count (u32,
+/// u64), then per position the target (u32), its log-probability (f32) and
+/// `k` pairs of id (u32) and log-probability (f32).
+pub fn save_base(path: &Path, scored: &[Scored]) -> Result<(), PerplexityError> {
+    let io = |e: std::io::Error| base_file_error(path, e.to_string());
+    let k = scored.first().map_or(0, |s| s.top.len());
+    let mut w = BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    w.write_all(MAGIC).map_err(io)?;
+    w.write_all(&(k as u32).to_le_bytes()).map_err(io)?;
+    w.write_all(&(scored.len() as u64).to_le_bytes()).map_err(io)?;
+    for s in scored {
+        assert_eq!(s.top.len(), k, "every position keeps the same number of top tokens");
+        w.write_all(&s.target.to_le_bytes()).map_err(io)?;
+        w.write_all(&s.log_prob.to_le_bytes()).map_err(io)?;
+        for &(id, lp) in &s.top {
+            w.write_all(&id.to_le_bytes()).map_err(io)?;
+            w.write_all(&lp.to_le_bytes()).map_err(io)?;
+        }
+    }
+    w.flush().map_err(io)
+}
+
+/// Reads what [`save_base`] wrote.
+pub fn load_base(path: &Path) -> Result<Vec<Scored>, PerplexityError> {
+    let io = |e: std::io::Error| base_file_error(path, e.to_string());
+    let mut r = BufReader::new(std::fs::File::open(path).map_err(io)?);
+    let mut magic = [0u8; 8];
+    r.read_exact(&mut magic).map_err(io)?;
+    if &magic != MAGIC {
+        return Err(base_file_error(path, "not a file written by --kl-divergence-base".into()));
+    }
+    let k = read_u32(&mut r).map_err(io)? as usize;
+    let mut long = [0u8; 8];
+    r.read_exact(&mut long).map_err(io)?;
+    let n = u64::from_le_bytes(long) as usize;
+    let expected = (n as u64).saturating_mul(8 + 8 * k as u64);
+    let actual = std::fs::metadata(path).map_err(io)?.len().saturating_sub(20);
+    if expected != actual {
+        return Err(base_file_error(path, format!("{n} positions of {k} tokens need {expected} bytes, not {actual}")));
+    }
+    (0..n)
+        .map(|_| {
+            let target = read_u32(&mut r)?;
+            let log_prob = f32::from_bits(read_u32(&mut r)?);
+            let top = (0..k)
+                .map(|_| Ok((read_u32(&mut r)?, f32::from_bits(read_u32(&mut r)?))))
+                .collect::<std::io::Result<_>>()?;
+            Ok(Scored { target, log_prob, top, kl: None })
+        })
+        .collect::<std::io::Result<_>>()
+        .map_err(io)
+}
+
+fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
+    let mut word = [0u8; 4];
+    r.read_exact(&mut word).map(|()| u32::from_le_bytes(word))
+}
+
+fn base_file_error(path: &Path, message: String) -> PerplexityError {
+    PerplexityError::BaseFile { path: path.display().to_string(), message }
 }

@@ -30,6 +30,7 @@
 //! scale, 2-bit keys move scores by several units in the worst case).
 
 use half::f16;
+use sift::attn::dense::{attend, AttentionBatch};
 use sift::kv::page::{KvMode, PagedLayer, Storage, RESIDUAL};
 use sift::kv::{CacheShape, PAGE};
 
@@ -210,6 +211,109 @@ fn every_mode_reads_back_within_its_step_and_attends_within_tolerance() {
             layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
         }
         check_attention(&layer, &tokens, &shape, len, 2);
+    }
+}
+
+/// The model's attention, [`attend`], over a layer in every mode, against
+/// f64 attention over the exact tokens: the last batch of a prefill, whose
+/// own keys and values are exact and whose older ones come from the cache.
+///
+/// The tolerance is [`check_attention`]'s, widened by what the kernels round:
+/// coded rows are read as f16 (half an f16 ulp, `2^-11` relative, more on
+/// every key channel and value), scores are f32 sums (under `10^-5` of
+/// `Σ |q_c·k_c|`, added to each score's bound), and the probabilities are
+/// rounded to f16 and summed in f32 (under `2^-10` of `Σ a_i·|v_ic|`). The
+/// queries are f16 numbers, so rounding them changes nothing.
+#[test]
+fn dense_attention_matches_f64_in_every_mode() {
+    let shape = shape(2, 64, 80);
+    let (n_head, batch, len) = (4, 32, 7 * PAGE + 13);
+    let tokens = Tokens::new(11, len, &shape);
+    let pos0 = len - batch;
+    for (mode, window) in KvMode::ALL.into_iter().flat_map(|m| [(m, None), (m, Some(100))]) {
+        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, window, 640, batch);
+        for pos in 0..len {
+            layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
+        }
+        let mut rng = Rng(12);
+        let cached = layer.visible(pos0).start..pos0;
+        let bounds: Vec<_> = (0..2).map(|h| check_rows(&layer, &tokens, &shape, h, cached.clone(), len)).collect();
+        // Each query is scaled so that quantization moves no score by more than 0.05.
+        let queries: Vec<f32> = (0..batch * n_head)
+            .flat_map(|i| {
+                let unit: Vec<f64> = (0..64).map(|_| rng.normal() / 8.0).collect();
+                let eps = bounds[i % n_head / 2]
+                    .iter()
+                    .map(|(e, _)| unit.iter().zip(e).map(|(q, e)| q.abs() * e).sum::<f64>())
+                    .fold(0.0, f64::max);
+                let scale = (0.05 / eps).min(1.0);
+                unit.into_iter().map(move |q| f16::from_f64(q * scale).to_f32())
+            })
+            .collect();
+        let attention = AttentionBatch {
+            queries: &queries,
+            keys: &tokens.keys[pos0..].concat(),
+            values: &tokens.values[pos0..].concat(),
+            pos0,
+            n_head,
+            head_dim_k: 64,
+            head_dim_v: 80,
+            n_gqa: 2,
+            scale: 1.0,
+        };
+        let mut out = vec![0.0; batch * n_head * 80];
+        attend(&attention, &layer, &mut out);
+
+        for (i, out) in out.chunks_exact(80).enumerate() {
+            let (t, head) = (i / n_head, i % n_head / 2);
+            let q = &queries[i * 64..][..64];
+            let visible = layer.visible(pos0 + t);
+            let (mut key, mut value) = (vec![0.0; 64], vec![0.0; 80]);
+            let (mut scores, mut values_q, mut eps, mut value_bounds) = (vec![], vec![], 0f64, vec![]);
+            for pos in visible.clone() {
+                let exact_k = &tokens.keys[pos][head * 64..][..64];
+                let exact_v = &tokens.values[pos][head * 80..][..80];
+                let (e, f) = if pos < pos0 {
+                    layer.key(head, pos, &mut key);
+                    layer.value(head, pos, &mut value);
+                    bounds[head][pos - cached.start].clone()
+                } else {
+                    key.copy_from_slice(exact_k);
+                    value.copy_from_slice(exact_v);
+                    (vec![0.0; 64], vec![0.0; 80])
+                };
+                let half = |x: f32| f16::from_f32(x).to_f32();
+                let read_k: Vec<f32> = key.iter().map(|&k| half(k)).collect();
+                let read_v: Vec<f32> = value.iter().map(|&v| half(v)).collect();
+                let q64: Vec<f64> = q.iter().map(|&x| x as f64).collect();
+                scores.push(dot(&q64, exact_k));
+                let score_bound: f64 = (0..64)
+                    .map(|c| {
+                        let read = 2f64.powi(-11) * key[c].abs() as f64 + 2f64.powi(-25);
+                        q64[c].abs() * (e[c] + read) + 1e-5 * (q64[c] * read_k[c] as f64).abs()
+                    })
+                    .sum();
+                eps = eps.max(score_bound + 1e-6);
+                value_bounds.push(
+                    (0..80).map(|c| f[c] + 2f64.powi(-11) * value[c].abs() as f64 + 2f64.powi(-25)).collect::<Vec<_>>(),
+                );
+                values_q.push(read_v);
+            }
+            let a = softmax(&scores);
+            for c in 0..80 {
+                let o: f64 = visible.clone().zip(&a).map(|(pos, a)| a * tokens.values[pos][head * 80 + c] as f64).sum();
+                let m: f64 = values_q.iter().zip(&a).map(|(v, a)| a * v[c] as f64).sum();
+                let spread: f64 = values_q.iter().zip(&a).map(|(v, a)| a * (v[c] as f64 - m).abs()).sum();
+                let magnitude: f64 = values_q.iter().zip(&a).map(|(v, a)| a * (v[c] as f64).abs()).sum();
+                let value_err: f64 = value_bounds.iter().zip(&a).map(|(f, a)| a * f[c]).sum();
+                let tol = (2.0 * eps).exp_m1() * spread + value_err + 2f64.powi(-10) * magnitude + 1e-7;
+                let err = (out[c] as f64 - o).abs();
+                assert!(
+                    err <= tol,
+                    "{mode} {window:?} token {t} head {i}: channel {c} off by {err:e}, tolerance {tol:e}"
+                );
+            }
+        }
     }
 }
 

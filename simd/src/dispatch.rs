@@ -394,8 +394,10 @@ impl Kernels {
     /// each (as for [`Kernels::dot`]). Elements of `out` between the rows are left
     /// alone.
     ///
-    /// The x86 tables unpack each weight block once for a tile of tokens, for the
-    /// quantized formats; results equal [`Kernels::dot`]'s for every pair, bit for bit.
+    /// For the quantized formats, the x86 tables work in tiles of 16 rows × 64 tokens:
+    /// they rearrange each tile of tokens' activations once for all rows (in a buffer
+    /// per thread, grown on first use) and unpack each weight block once per tile.
+    /// Results equal [`Kernels::dot`]'s for every pair, bit for bit.
     ///
     /// # Panics
     /// If `n` is zero or not a whole number of blocks of `w`, if `w_rows` or `acts` is

@@ -1,5 +1,6 @@
 //! sift's compute kernels: GGML's quantized block formats, their dequantization,
-//! dot products of one weight row against one quantized activation row, and attention
+//! dot products of one weight row against one quantized activation row (or of many rows
+//! against many, a tile at a time: [`Kernels::dot_tile`]), and attention
 //! over an f16 key/value cache ([`Kernels::scores_f16`], [`Kernels::softmax_exp`],
 //! [`Kernels::add_weighted_f16`]).
 //!

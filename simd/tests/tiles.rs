@@ -1,8 +1,9 @@
 //! `Kernels::dot_tile` must give, for every (row, token) pair, what `Kernels::dot` gives:
 //! bit for bit for the integer-accumulating formats (on every ISA, so also the scalar
 //! table's value), within 1e-5 of Σ|w·a| for the float formats. Tiles are ragged on
-//! purpose: row and token counts that are not multiples of any tile size, and output
-//! strides with gaps that must be left alone.
+//! purpose: row and token counts that are not multiples of any tile size (the x86
+//! kernels take 16 rows × 64 tokens), and output strides with gaps that must be left
+//! alone.
 
 mod common;
 
@@ -86,14 +87,14 @@ fn weight_type() -> impl Strategy<Value = WeightType> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
 
     #[test]
     fn tiles_match_dot(
         w in weight_type(),
         nb in 1usize..=19,
-        rows in 1usize..=11,
-        tokens in 1usize..=19,
+        rows in 1usize..=35,
+        tokens in 1usize..=140,
         gap in 0usize..=3,
         seed in any::<u64>(),
     ) {
@@ -107,7 +108,7 @@ proptest! {
 #[test]
 fn every_format_at_tile_edges() {
     for w in WeightType::ALL {
-        for (rows, tokens) in [(1, 1), (4, 8), (5, 9), (3, 17), (12, 7)] {
+        for (rows, tokens) in [(1, 1), (4, 8), (5, 9), (3, 17), (12, 7), (16, 64), (17, 65), (32, 129)] {
             let nb = if w.block_elems() == 1 { 64 } else { 9 };
             check_tile(w, nb, rows, tokens, 1, (rows * 100 + tokens) as u64).unwrap();
         }

@@ -2,14 +2,16 @@
 //! fresh N-token prompt is processed; `tg N` the rate of N single-token decode
 //! steps, after a context of `depth` tokens has been prefilled (untimed).
 //! Each test runs once to warm up, then `reps` timed times; tokens are drawn
-//! at random from the vocabulary, after a BOS.
+//! at random from the vocabulary, after a BOS. Every test runs with each KV
+//! cache mode asked for, and the table says what each mode stores per token.
 
 use std::time::Instant;
 
 use clap::Args;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use sift::engine::Session;
+use sift::engine::{Session, DEFAULT_BATCH};
+use sift::kv::{KvMode, Storage};
 use sift::model::Model;
 
 use super::ModelArgs;
@@ -30,7 +32,10 @@ pub struct BenchArgs {
     /// Timed repetitions per test
     #[arg(short = 'r', long = "repetitions", default_value_t = 5)]
     reps: usize,
-    /// Print JSON rows {test, tokens_per_s, stddev, median} instead of a table
+    /// KV cache modes to test, comma-separated (f16, q8, q4, q2)
+    #[arg(long = "kv-cache", env = "SIFT_KV_CACHE", value_delimiter = ',', default_value = "f16")]
+    kv_caches: Vec<KvMode>,
+    /// Print JSON rows {test, kv_cache, kv_bytes_per_token, tokens_per_s, stddev, median} instead of a table
     #[arg(long)]
     json: bool,
 }
@@ -38,6 +43,8 @@ pub struct BenchArgs {
 #[derive(serde::Serialize)]
 struct Row {
     test: String,
+    kv_cache: String,
+    kv_bytes_per_token: f64,
     tokens_per_s: f64,
     stddev: f64,
     median: f64,
@@ -58,37 +65,40 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
 
     let mut rows = Vec::new();
-    for &depth in &args.depths {
-        let suffix = if depth > 0 { format!(" @ d{depth}") } else { String::new() };
-        for &p in args.prompts.iter().filter(|&&p| p > 0) {
-            let n_ctx = depth + p;
-            let context = random_tokens(depth);
-            let prompt = random_tokens(p);
-            let samples = measure(args.reps, p, || {
-                let mut session = Session::new(&model, n_ctx);
-                if depth > 0 {
+    for &mode in &args.kv_caches {
+        let storage = Storage { mode, ..Storage::default() };
+        let per_token = model.cache_shape().bytes_per_token(mode);
+        let session = |n_ctx| Session::with_cache(&model, n_ctx, DEFAULT_BATCH, storage);
+        for &depth in &args.depths {
+            let suffix = if depth > 0 { format!(" @ d{depth}") } else { String::new() };
+            for &p in args.prompts.iter().filter(|&&p| p > 0) {
+                let context = random_tokens(depth);
+                let prompt = random_tokens(p);
+                let samples = measure(args.reps, p, || {
+                    let mut session = session(depth + p);
+                    if depth > 0 {
+                        session.prefill(&context)?;
+                    }
+                    let t = Instant::now();
+                    session.prefill(&prompt)?;
+                    Ok(t.elapsed().as_secs_f64())
+                })?;
+                rows.push(row(format!("pp{p}{suffix}"), mode, per_token, samples));
+            }
+            for &n in args.gens.iter().filter(|&&n| n > 0) {
+                let context = random_tokens(depth.max(1));
+                let steps = random_tokens(n);
+                let samples = measure(args.reps, n, || {
+                    let mut session = session(depth + n + 1);
                     session.prefill(&context)?;
-                }
-                let t = Instant::now();
-                session.prefill(&prompt)?;
-                Ok(t.elapsed().as_secs_f64())
-            })?;
-            rows.push(row(format!("pp{p}{suffix}"), samples));
-        }
-        for &n in args.gens.iter().filter(|&&n| n > 0) {
-            let n_ctx = depth + n + 1;
-            let context = random_tokens(depth.max(1));
-            let steps = random_tokens(n);
-            let samples = measure(args.reps, n, || {
-                let mut session = Session::new(&model, n_ctx);
-                session.prefill(&context)?;
-                let t = Instant::now();
-                for &token in &steps {
-                    session.decode(token)?;
-                }
-                Ok(t.elapsed().as_secs_f64())
-            })?;
-            rows.push(row(format!("tg{n}{suffix}"), samples));
+                    let t = Instant::now();
+                    for &token in &steps {
+                        session.decode(token)?;
+                    }
+                    Ok(t.elapsed().as_secs_f64())
+                })?;
+                rows.push(row(format!("tg{n}{suffix}"), mode, per_token, samples));
+            }
         }
     }
 
@@ -99,15 +109,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let gib = file.tensors().iter().map(|t| t.n_bytes).sum::<usize>() as f64 / (1u64 << 30) as f64;
-    println!("| model | size | threads | isa | test | t/s | median |");
-    println!("| --- | ---: | ---: | --- | --- | ---: | ---: |");
+    println!("| model | size | threads | isa | kv cache | KV B/token | test | t/s | median |");
+    println!("| --- | ---: | ---: | --- | --- | ---: | --- | ---: | ---: |");
     for r in &rows {
         println!(
-            "| {} {} | {gib:.2} GiB | {} | {} | {} | {:.2} ± {:.2} | {:.2} |",
+            "| {} {} | {gib:.2} GiB | {} | {} | {} | {:.0} | {} | {:.2} ± {:.2} | {:.2} |",
             model.hp.arch.gguf_name(),
             model.hp.name,
             rayon::current_num_threads(),
             simd::kernels().isa(),
+            r.kv_cache,
+            r.kv_bytes_per_token,
             r.test,
             r.tokens_per_s,
             r.stddev,
@@ -123,7 +135,7 @@ fn measure(reps: usize, tokens: usize, mut run: impl FnMut() -> anyhow::Result<f
     (0..reps).map(|_| run().map(|secs| tokens as f64 / secs)).collect()
 }
 
-fn row(test: String, samples: Vec<f64>) -> Row {
+fn row(test: String, mode: KvMode, kv_bytes_per_token: f64, samples: Vec<f64>) -> Row {
     let n = samples.len() as f64;
     let mean = samples.iter().sum::<f64>() / n;
     let var = samples.iter().map(|s| (s - mean) * (s - mean)).sum::<f64>() / (n - 1.0).max(1.0);
@@ -134,6 +146,14 @@ fn row(test: String, samples: Vec<f64>) -> Row {
     } else {
         (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]) / 2.0
     };
-    eprintln!("sift: {test}: {mean:.2} t/s (median {median:.2})");
-    Row { test, tokens_per_s: mean, stddev: var.sqrt(), median, samples }
+    eprintln!("sift: {test} ({mode}): {mean:.2} t/s (median {median:.2})");
+    Row {
+        test,
+        kv_cache: mode.to_string(),
+        kv_bytes_per_token,
+        tokens_per_s: mean,
+        stddev: var.sqrt(),
+        median,
+        samples,
+    }
 }

@@ -18,8 +18,9 @@ use anyhow::Context;
 use clap::Args;
 use rustyline::error::ReadlineError;
 use sift::chat::{self, ChatTemplate, Message, Origin};
-use sift::engine::{EngineError, Session};
+use sift::engine::{EngineError, Session, DEFAULT_BATCH};
 use sift::generate::{generate, Generated, Limits, StopReason};
+use sift::kv::Storage;
 use sift::model::Model;
 use sift::sample::{Sampler, SamplingParams};
 use sift::tokenizer::Tokenizer;
@@ -77,7 +78,14 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         announce_template(&template);
     }
     let mut chat = Chat {
-        conversation: Conversation::new(&model, &tokenizer, template, n_ctx, args.generation.sampling()),
+        conversation: Conversation::new(
+            &model,
+            &tokenizer,
+            template,
+            n_ctx,
+            args.generation.cache.storage(),
+            args.generation.sampling(),
+        ),
         max_tokens: args.n_predict,
         quiet: args.quiet,
     };
@@ -128,10 +136,11 @@ impl<'a> Conversation<'a> {
         tokenizer: &'a Tokenizer,
         template: ChatTemplate,
         n_ctx: usize,
+        storage: Storage,
         sampling: SamplingParams,
     ) -> Self {
         Self {
-            session: Session::new(model, n_ctx),
+            session: Session::with_cache(model, n_ctx, DEFAULT_BATCH, storage),
             tokenizer,
             template,
             sampler: Sampler::new(sampling.clone()),

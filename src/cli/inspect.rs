@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 
 use clap::Args;
-use sift::kv::KvCache;
+use sift::kv::{KvCache, KvMode, Storage};
 use sift::model::Model;
 use sift::tokenizer::Tokenizer;
 
@@ -35,9 +35,16 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
         e.1 += t.n_elements();
         e.2 += t.n_bytes;
     }
-    let kv_bytes = KvCache::new(&model.cache_shape(), n_ctx, sift::engine::DEFAULT_BATCH).bytes();
-    let global_layers = (0..hp.n_layer).filter(|&il| !hp.is_sliding(il)).count();
-    let kv_per_token = global_layers * hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v) * 2;
+    let shape = model.cache_shape();
+    // Per mode: the whole cache at -c, and what one more token costs.
+    let kv: Vec<(KvMode, usize, f64)> = KvMode::ALL
+        .into_iter()
+        .map(|mode| {
+            let storage = Storage { mode, ..Storage::default() };
+            let bytes = KvCache::new(&shape, storage, n_ctx, sift::engine::DEFAULT_BATCH).bytes();
+            (mode, bytes, shape.bytes_per_token(mode))
+        })
+        .collect();
     let weight_bytes: usize = file.tensors().iter().map(|t| t.n_bytes).sum();
     let n_params: usize = file.tensors().iter().map(|t| t.n_elements()).sum();
 
@@ -57,7 +64,12 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
                 "sliding_window": hp.sliding_window, "sliding_layers": hp.sliding_layers.iter().filter(|&&s| s).count(),
             },
             "tensor_types": types.iter().map(|(ty, (n, el, b))| serde_json::json!({"type": ty, "tensors": n, "elements": el, "bytes": b})).collect::<Vec<_>>(),
-            "memory": { "weights_bytes": weight_bytes, "kv_cache_bytes": kv_bytes, "kv_bytes_per_token": kv_per_token, "n_ctx": n_ctx },
+            "memory": {
+                "weights_bytes": weight_bytes,
+                "n_ctx": n_ctx,
+                "kv_bytes_per_token": kv[0].2.ceil() as u64,
+                "kv_cache": kv.iter().map(|(mode, bytes, per_token)| serde_json::json!({"mode": mode.to_string(), "bytes": bytes, "bytes_per_token": per_token})).collect::<Vec<_>>(),
+            },
             "tokenizer": { "vocab": tokenizer.vocab_size(), "bos": tokenizer.bos(), "eos": tokenizer.eos(), "chat_template": tokenizer.chat_template().is_some() },
         });
         println!("{}", serde_json::to_string_pretty(&json)?);
@@ -99,9 +111,15 @@ pub fn run(args: InspectArgs) -> anyhow::Result<()> {
     }
     println!("memory");
     println!("  weights     {:.1} MiB (memory-mapped)", mib(weight_bytes));
-    println!(
-        "  KV cache    {:.1} MiB at -c {n_ctx} (f16; {kv_per_token} bytes per token in global layers)",
-        mib(kv_bytes)
-    );
+    // Plain f16 keys and values, without the f16 mode's sketch.
+    let plain =
+        shape.windows.iter().filter(|w| w.is_none()).count() * hp.n_head_kv * (hp.head_dim_k + hp.head_dim_v) * 2;
+    for (mode, bytes, per_token) in &kv {
+        println!(
+            "  KV cache    {mode:<3} {:>7.1} MiB at -c {n_ctx}, {per_token:>6.0} bytes per token ({:.3}x plain f16 K/V)",
+            mib(*bytes),
+            per_token / plain as f64
+        );
+    }
     Ok(())
 }

@@ -16,6 +16,7 @@ use clap::{Args, CommandFactory, Parser, Subcommand};
 use sift::chat::ChatError;
 use sift::engine::EngineError;
 use sift::gguf::{GgufError, GgufFile};
+use sift::kv::{KvMode, Storage};
 use sift::model::ModelError;
 use sift::perplexity::PerplexityError;
 use sift::tokenizer::TokenizerError;
@@ -105,6 +106,23 @@ impl ModelArgs {
     }
 }
 
+/// How the KV cache stores keys and values, for every command that runs
+/// the model.
+#[derive(Args, Clone)]
+pub struct CacheArgs {
+    /// KV cache: f16 keeps keys and values exact; q8, q4 and q2 quantize all
+    /// but the newest 128 tokens (keys per channel over pages of 64 tokens,
+    /// values per token in groups of 32)
+    #[arg(long = "kv-cache", env = "SIFT_KV_CACHE", default_value = "f16")]
+    pub kv_cache: KvMode,
+}
+
+impl CacheArgs {
+    pub fn storage(&self) -> Storage {
+        Storage { mode: self.kv_cache, ..Storage::default() }
+    }
+}
+
 pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
@@ -168,8 +186,11 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
         if let Some(EngineError::PromptTooLong { .. } | EngineError::ContextFull { .. }) = cause.downcast_ref() {
             return EXIT_CONTEXT;
         }
-        if let Some(PerplexityError::TooShort { .. }) = cause.downcast_ref() {
-            return EXIT_CONTEXT;
+        match cause.downcast_ref() {
+            Some(PerplexityError::TooShort { .. }) => return EXIT_CONTEXT,
+            Some(PerplexityError::Stride { .. }) => return EXIT_USAGE,
+            Some(PerplexityError::BaseFile { .. } | PerplexityError::BaseMismatch) => return EXIT_MODEL,
+            _ => {}
         }
     }
     EXIT_OTHER

@@ -1,72 +1,202 @@
-//! `sift perplexity`: llama-perplexity's measurement on a text file.
+//! `sift perplexity`: llama-perplexity's measurement on text files, and the
+//! KL divergence of one KV cache mode's predictions from another's.
 
-use std::path::PathBuf;
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
-use indicatif::{ProgressBar, ProgressStyle};
-use sift::engine::Session;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sift::engine::{Session, DEFAULT_BATCH};
 use sift::model::Model;
-use sift::perplexity::perplexity;
+use sift::perplexity::{self, evaluate, Evaluation, KlReport, PerplexityReport, Windows, TOP_K};
 use sift::tokenizer::Tokenizer;
 
-use super::{InputError, ModelArgs};
+use super::{CacheArgs, InputError, ModelArgs, Usage};
 
 #[derive(Args)]
 pub struct PerplexityArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Text file to score
-    #[arg(short, long)]
-    file: PathBuf,
-    /// Tokens per chunk; the second half of each is scored
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// Text file to score; repeat it, or name a directory to score its .txt files
+    #[arg(short, long = "file", required = true)]
+    files: Vec<PathBuf>,
+    /// Tokens per chunk; the second half of each is scored (but see --stride)
     #[arg(short = 'c', long = "ctx-size", default_value_t = 2048)]
     ctx: usize,
-    /// Score at most this many chunks [default: all]
+    /// Score at most this many chunks per file [default: all]
     #[arg(long)]
     chunks: Option<usize>,
-    /// Print one JSON object {ppl, ppl_stderr, tokens_scored, chunks}
+    /// Start a chunk every N tokens and score its last N predictions (llama-perplexity's --ppl-stride)
+    #[arg(long)]
+    stride: Option<usize>,
+    /// The base run's log-probabilities: written by a run without --kl-divergence, read by one with it.
+    /// Per scored token it keeps the 32 most likely tokens' log-probabilities (a 262K vocabulary's full
+    /// distributions would take gigabytes); KL is taken over those 32 tokens plus one bin for the rest
+    /// of the mass, a lower bound on the full KL
+    #[arg(long = "kl-divergence-base", value_name = "FILE")]
+    kl_base: Option<PathBuf>,
+    /// Compare with the base run of --kl-divergence-base: KL mean, p99 and max, top-1 agreement, both PPLs
+    #[arg(long = "kl-divergence", requires = "kl_base")]
+    kl: bool,
+    /// Print one JSON object {ppl, ppl_stderr, tokens_scored, chunks, kl?, files: [...]}
     #[arg(long)]
     json: bool,
 }
 
+/// One file's results.
+#[derive(serde::Serialize)]
+struct Book {
+    file: String,
+    #[serde(flatten)]
+    report: PerplexityReport,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kl: Option<KlReport>,
+}
+
 pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     if args.ctx < 2 {
-        return Err(anyhow::Error::new(super::Usage("-c must be at least 2 for perplexity".into())));
+        return Err(anyhow::Error::new(Usage("-c must be at least 2 for perplexity".into())));
     }
-    let bytes =
-        std::fs::read(&args.file).map_err(|e| InputError(format!("{}: cannot read: {e}", args.file.display())))?;
-    let text =
-        String::from_utf8(bytes).map_err(|_| InputError(format!("{}: not valid UTF-8 text", args.file.display())))?;
+    let paths = text_files(&args.files)?;
+    let texts = paths.iter().map(|p| read_text(p)).collect::<anyhow::Result<Vec<_>>>()?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
-    let tokens = tokenizer.encode(&text, true, false).context("tokenizing the text")?;
     let bos = tokenizer.bos().filter(|_| tokenizer.adds_bos());
-    let mut session = Session::new(&model, args.ctx);
-
-    let available = tokens.len() / args.ctx;
-    let total = args.chunks.map_or(available, |c| c.min(available));
-    eprintln!("sift: {} tokens, {total} chunks of {}", tokens.len(), args.ctx);
-    let bar = ProgressBar::new(total as u64).with_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} chunks  {per_sec}  eta {eta}")
-            .expect("static progress template"),
+    let windows = Windows { max: args.chunks, stride: args.stride };
+    let tokens = texts
+        .iter()
+        .map(|text| tokenizer.encode(text, true, false).context("tokenizing the text"))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let total =
+        tokens.iter().map(|t| perplexity::tokens_to_evaluate(t.len(), args.ctx, windows)).sum::<Result<usize, _>>()?;
+    let base = match (&args.kl_base, args.kl) {
+        (Some(path), true) => Some(perplexity::load_base(path)?),
+        _ => None,
+    };
+    let keep_top = if args.kl_base.is_some() && !args.kl { TOP_K } else { 0 };
+    let mut session = Session::with_cache(&model, args.ctx, DEFAULT_BATCH, args.cache.storage());
+    eprintln!(
+        "sift: {} file(s), {} tokens, context {}, KV cache {}",
+        paths.len(),
+        tokens.iter().map(Vec::len).sum::<usize>(),
+        args.ctx,
+        args.cache.kv_cache
     );
+
+    let bar = progress_bar(total);
     let started = std::time::Instant::now();
-    let report = perplexity(&mut session, &tokens, bos, args.chunks, |done, _| bar.set_position(done as u64))?;
+    let (mut books, mut all, mut base_used) = (Vec::new(), Evaluation::default(), 0);
+    for (path, tokens) in paths.iter().zip(&tokens) {
+        let done = bar.position();
+        let base = base.as_deref().map(|b| b.get(base_used..).unwrap_or_default());
+        let eval = evaluate(&mut session, tokens, bos, windows, keep_top, base, |n| bar.set_position(done + n as u64))?;
+        let book_base = base.map(|b| &b[..eval.scored.len().min(b.len())]);
+        base_used += eval.scored.len();
+        books.push(Book {
+            file: path.display().to_string(),
+            report: PerplexityReport::of(&eval.scored, eval.windows),
+            kl: book_base.and_then(|b| KlReport::of(&eval.scored, b)),
+        });
+        all.windows += eval.windows;
+        all.scored.extend(eval.scored);
+    }
     bar.finish_and_clear();
+    if base.as_ref().is_some_and(|b| b.len() != base_used) {
+        return Err(perplexity::PerplexityError::BaseMismatch.into());
+    }
+    if let (Some(path), false) = (&args.kl_base, args.kl) {
+        perplexity::save_base(path, &all.scored)?;
+    }
     let secs = started.elapsed().as_secs_f64();
+    let overall = PerplexityReport::of(&all.scored, all.windows);
+    let kl = base.as_deref().and_then(|b| KlReport::of(&all.scored, b));
     if args.json {
-        println!("{}", serde_json::to_string(&report)?);
+        print_json(&overall, kl.as_ref(), &books)?;
     } else {
-        println!("PPL = {:.4} ± {:.5}", report.ppl, report.ppl_stderr);
+        print_text(&overall, kl.as_ref(), &books);
     }
     eprintln!(
-        "sift: {} chunks, {} tokens scored, {:.1} s ({:.0} tok/s evaluated)",
-        report.chunks,
-        report.tokens_scored,
-        secs,
-        (report.chunks * args.ctx) as f64 / secs
+        "sift: {} chunks, {} tokens scored, {secs:.1} s ({:.0} tok/s evaluated)",
+        overall.chunks,
+        overall.tokens_scored,
+        total as f64 / secs
     );
+    Ok(())
+}
+
+/// The files named, with each directory replaced by its .txt files in name
+/// order.
+fn text_files(names: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    for name in names {
+        if !name.is_dir() {
+            files.push(name.clone());
+            continue;
+        }
+        let entries =
+            std::fs::read_dir(name).map_err(|e| InputError(format!("{}: cannot read: {e}", name.display())))?;
+        let mut texts: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file() && p.extension().is_some_and(|x| x == "txt"))
+            .collect();
+        if texts.is_empty() {
+            return Err(InputError(format!("{}: no .txt files in the directory", name.display())).into());
+        }
+        texts.sort();
+        files.extend(texts);
+    }
+    Ok(files)
+}
+
+fn read_text(path: &Path) -> anyhow::Result<String> {
+    let bytes = std::fs::read(path).map_err(|e| InputError(format!("{}: cannot read: {e}", path.display())))?;
+    Ok(String::from_utf8(bytes).map_err(|_| InputError(format!("{}: not valid UTF-8 text", path.display())))?)
+}
+
+/// Tokens evaluated, their rate and the time left, drawn only on a terminal.
+fn progress_bar(total: usize) -> ProgressBar {
+    let target =
+        if std::io::stderr().is_terminal() { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
+    ProgressBar::with_draw_target(Some(total as u64), target).with_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} tokens  {per_sec}  eta {eta}")
+            .expect("static progress template"),
+    )
+}
+
+fn print_text(overall: &PerplexityReport, kl: Option<&KlReport>, books: &[Book]) {
+    if books.len() > 1 {
+        println!("| file | chunks | tokens | PPL | KL mean | top-1 |");
+        println!("| --- | ---: | ---: | ---: | ---: | ---: |");
+        for b in books {
+            let (kl_mean, top1) =
+                b.kl.as_ref()
+                    .map_or(("-".into(), "-".into()), |k| (format!("{:.6}", k.kl_mean), percent(k.top1_agreement)));
+            println!(
+                "| {} | {} | {} | {:.4} ± {:.5} | {kl_mean} | {top1} |",
+                b.file, b.report.chunks, b.report.tokens_scored, b.report.ppl, b.report.ppl_stderr
+            );
+        }
+    }
+    println!("PPL = {:.4} ± {:.5}", overall.ppl, overall.ppl_stderr);
+    if let Some(k) = kl {
+        println!("base PPL = {:.4} ({:+.3}%)", k.base_ppl, (overall.ppl / k.base_ppl - 1.0) * 100.0);
+        println!("KL mean = {:.6}, p99 = {:.6}, max = {:.6}", k.kl_mean, k.kl_p99, k.kl_max);
+        println!("top-1 agreement = {}", percent(k.top1_agreement));
+    }
+}
+
+fn percent(x: f64) -> String {
+    format!("{:.2}%", 100.0 * x)
+}
+
+fn print_json(overall: &PerplexityReport, kl: Option<&KlReport>, books: &[Book]) -> anyhow::Result<()> {
+    let mut json = serde_json::to_value(overall)?;
+    json["kl"] = serde_json::to_value(kl)?;
+    json["files"] = serde_json::to_value(books)?;
+    println!("{}", serde_json::to_string(&json)?);
     Ok(())
 }

@@ -6,14 +6,14 @@ use std::path::PathBuf;
 use clap::builder::NonEmptyStringValueParser;
 use clap::Args;
 use sift::chat::{self, ChatTemplate, Message};
-use sift::engine::{EngineError, Session};
+use sift::engine::{EngineError, Session, DEFAULT_BATCH};
 use sift::generate::{generate, Limits};
 use sift::model::Model;
 use sift::sample::{Sampler, SamplingParams};
 use sift::tokenizer::Tokenizer;
 
 use super::chat::announce_template;
-use super::{context_size, read_prompt, ModelArgs};
+use super::{context_size, read_prompt, CacheArgs, ModelArgs};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -71,6 +71,8 @@ pub struct GenerationArgs {
     /// Random seed [default: from the clock]
     #[arg(long)]
     seed: Option<u64>,
+    #[command(flatten)]
+    pub cache: CacheArgs,
 }
 
 impl GenerationArgs {
@@ -115,7 +117,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let sampling = args.generation.sampling();
     let seed = sampling.seed;
     let mut sampler = Sampler::new(sampling);
-    let mut session = Session::new(&model, n_ctx);
+    let mut session = Session::with_cache(&model, n_ctx, DEFAULT_BATCH, args.generation.cache.storage());
     if !args.quiet {
         if let Some(template) = &template {
             announce_template(template);

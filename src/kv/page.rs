@@ -224,6 +224,49 @@ impl PagedLayer {
         }
     }
 
+    /// `head`'s keys at `positions`, in order, as stretches of exact rows
+    /// lying end to end and rows of coded pages.
+    pub fn key_rows(&self, head: usize, positions: Range<usize>) -> impl Iterator<Item = Rows<'_, KeySketch>> {
+        self.rows(head, positions, &self.exact_k, self.head_dim_k, &self.sketches)
+    }
+
+    /// `head`'s values at `positions`, as [`Self::key_rows`] gives the keys.
+    pub fn value_rows(&self, head: usize, positions: Range<usize>) -> impl Iterator<Item = Rows<'_, ValueRows>> {
+        self.rows(head, positions, &self.exact_v, self.head_dim_v, &self.values)
+    }
+
+    /// Consecutive exact pages in consecutive slots make one stretch; a ring
+    /// that wraps, or a coded page, starts another.
+    fn rows<'a, C>(
+        &'a self,
+        head: usize,
+        positions: Range<usize>,
+        exact: &'a [f16],
+        dim: usize,
+        coded: &'a [C],
+    ) -> impl Iterator<Item = Rows<'a, C>> {
+        assert!(positions.end <= self.len, "position {} has not been stored", positions.end - 1);
+        let mut next = positions.start;
+        std::iter::from_fn(move || {
+            if next >= positions.end {
+                return None;
+            }
+            let (page, t) = (next / PAGE, next % PAGE);
+            if page < self.first_exact {
+                let rows = t..PAGE.min(positions.end - page * PAGE);
+                next = page * PAGE + rows.end;
+                return Some(Rows::Coded(&coded[head * self.coded_slots + self.coded_slot(page)], rows));
+            }
+            let slot = page % self.exact_slots;
+            let end = positions.end.min((page - slot + self.exact_slots) * PAGE);
+            let ring = &exact[head * self.exact_slots * PAGE * dim..][..self.exact_slots * PAGE * dim];
+            let start = slot * PAGE + t;
+            let run = &ring[start * dim..(start + end - next) * dim];
+            next = end;
+            Some(Rows::Exact(run))
+        })
+    }
+
     /// The sketch of `head`'s keys in `page`, once it has one: in the f16
     /// mode every full page, in the others every coded page.
     pub fn sketch(&self, head: usize, page: usize) -> Option<&KeySketch> {
@@ -241,6 +284,16 @@ impl PagedLayer {
         (self.exact_k.len() + self.exact_v.len()) * std::mem::size_of::<f16>()
             + self.sketches.iter().map(KeySketch::bytes).sum::<usize>()
             + self.values.iter().map(ValueRows::bytes).sum::<usize>()
+    }
+
+    /// The bytes of one full page of one head once it has left the residual
+    /// window: exact rows and their sketch in the f16 mode, codes otherwise.
+    pub fn page_bytes(mode: KvMode, shape: &CacheShape) -> usize {
+        let sketch = KeySketch::new(shape.head_dim_k, mode.page_keys()).bytes();
+        match mode.bits() {
+            None => sketch + PAGE * (shape.head_dim_k + shape.head_dim_v) * std::mem::size_of::<f16>(),
+            Some(bits) => sketch + ValueRows::new(PAGE, shape.head_dim_v, bits).bytes(),
+        }
     }
 
     /// Forgets positions from `pos` on.
@@ -292,6 +345,14 @@ impl PagedLayer {
         assert!(self.is_coded(page), "page {page} has left the cache");
         page % self.coded_slots
     }
+}
+
+/// A stretch of one head's keys or values.
+pub enum Rows<'a, C> {
+    /// Exact rows, end to end.
+    Exact(&'a [f16]),
+    /// These rows of a coded page.
+    Coded(&'a C, Range<usize>),
 }
 
 /// The rows of one page of exact `rows` (`[head][slot][token][dim]`).

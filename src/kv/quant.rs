@@ -16,6 +16,8 @@
 //! Midpoints rather than KIVI's endpoints: four 2-bit levels at 1/8, 3/8, 5/8
 //! and 7/8 of the range err by at most 1/8 of it where endpoints err by 1/6.
 
+use std::ops::Range;
+
 use half::f16;
 
 /// Channels per value group (each token's values are quantized in groups).
@@ -117,6 +119,22 @@ fn f16_up(x: f64) -> f16 {
     }
 }
 
+/// Every code's level as an offset from the minimum, in steps (the table
+/// of [`Bits::offset`] over all codes of width `bits`).
+pub fn offsets(bits: Bits) -> [f32; 256] {
+    std::array::from_fn(|code| bits.offset(code as u8) as f32)
+}
+
+/// Unpacks a packed row's codes, one a byte, into `out` (as many as it holds).
+pub fn unpack_row(row: &[u8], bits: Bits, out: &mut [u8]) {
+    let per_byte = 8 / bits.get();
+    for (codes, &byte) in out.chunks_mut(per_byte).zip(row) {
+        for (j, code) in codes.iter_mut().enumerate() {
+            *code = (byte >> (j * bits.get())) & bits.max_code();
+        }
+    }
+}
+
 /// Bytes of `n` codes of width `bits`, packed.
 pub fn packed_len(n: usize, bits: Bits) -> usize {
     (n * bits.get()).div_ceil(8)
@@ -176,6 +194,25 @@ impl ValueRows {
             let affine = self.groups[row * n_groups + g];
             for (i, o) in out.iter_mut().enumerate() {
                 *o = affine.level(unpack(codes, g * VALUE_GROUP + i, self.bits), self.bits);
+            }
+        }
+    }
+
+    /// Rows `rows`, dequantized one after another into `out` (as
+    /// [`Self::dequantize`] does one, but unpacking whole rows and looking
+    /// levels up in a table).
+    pub fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
+        let (n_groups, len) = (self.dim.div_ceil(VALUE_GROUP), packed_len(self.dim, self.bits));
+        let offsets = offsets(self.bits);
+        let mut codes = vec![0u8; self.dim];
+        for (row, out) in rows.zip(out.chunks_exact_mut(self.dim)) {
+            unpack_row(&self.codes[row * len..][..len], self.bits, &mut codes);
+            let groups = &self.groups[row * n_groups..][..n_groups];
+            for ((out, codes), affine) in out.chunks_mut(VALUE_GROUP).zip(codes.chunks(VALUE_GROUP)).zip(groups) {
+                let (min, step) = (affine.min.to_f32(), affine.step.to_f32());
+                for (o, &code) in out.iter_mut().zip(codes) {
+                    *o = min + step * offsets[code as usize];
+                }
             }
         }
     }

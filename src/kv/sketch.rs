@@ -43,7 +43,9 @@
 
 use half::f16;
 
-use super::quant::{pack, packed_len, unpack, Affine, Bits};
+use std::ops::Range;
+
+use super::quant::{offsets, pack, packed_len, unpack, unpack_row, Affine, Bits};
 
 /// Tokens per page.
 pub const PAGE: usize = 64;
@@ -164,6 +166,30 @@ impl KeySketch {
         let kept = self.keys.kept();
         for (c, (o, affine)) in out[..self.dim].iter_mut().zip(&self.channels).enumerate() {
             *o = affine.level(self.code(i, c, kept), kept);
+        }
+    }
+
+    /// Keys `rows` at all the kept bits, one after another into `out` (as
+    /// [`Self::dequantize_key`] does one, but unpacking whole rows and
+    /// looking levels up in a table).
+    pub fn dequantize_keys(&self, rows: Range<usize>, out: &mut [f32]) {
+        let (kept, scanned, dim) = (self.keys.kept(), self.keys.scanned(), self.dim);
+        let offsets = offsets(kept);
+        let min: Vec<f32> = self.channels.iter().map(|a| a.min.to_f32()).collect();
+        let step: Vec<f32> = self.channels.iter().map(|a| a.step.to_f32()).collect();
+        let (coarse_len, fine_len) = (packed_len(dim, scanned), packed_len(dim, Bits::Four));
+        let (mut codes, mut fine) = (vec![0u8; dim], vec![0u8; dim]);
+        for (i, out) in rows.zip(out.chunks_exact_mut(dim)) {
+            unpack_row(&self.coarse[i * coarse_len..][..coarse_len], scanned, &mut codes);
+            if kept != scanned {
+                unpack_row(&self.fine[i * fine_len..][..fine_len], Bits::Four, &mut fine);
+                for (code, &low) in codes.iter_mut().zip(&fine) {
+                    *code = *code << 4 | low;
+                }
+            }
+            for (c, o) in out.iter_mut().enumerate() {
+                *o = min[c] + step[c] * offsets[codes[c] as usize];
+            }
         }
     }
 

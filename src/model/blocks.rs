@@ -1,5 +1,10 @@
 //! The small pieces a transformer layer is made of.
 
+use std::sync::OnceLock;
+
+use half::f16;
+use rayon::prelude::*;
+
 use super::hparams::{FfnActivation, Rope, RopeStyle};
 
 /// `1 / rms(x)`, the sum of squares in f64 as ggml does.
@@ -72,37 +77,51 @@ impl RopeTable {
     }
 }
 
-/// `gate = act(gate) * up`, the gated MLP's middle.
-pub fn gated_activation(gate: &mut [f32], up: &[f32], act: FfnActivation) {
-    match act {
+/// `gate = act(gate) * up`, the gated MLP's middle, for every `row`-long
+/// token row, rows spread across the pool.
+pub fn gated_activation(gate: &mut [f32], up: &[f32], act: FfnActivation, row: usize) {
+    gate.par_chunks_mut(row).zip(up.par_chunks(row)).for_each(|(gate, up)| match act {
         FfnActivation::Silu => {
             for (g, &u) in gate.iter_mut().zip(up) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }
         }
         FfnActivation::GeluTanh => {
+            let table = gelu_table();
             for (g, &u) in gate.iter_mut().zip(up) {
-                *g = gelu_tanh_f16_table(*g) * u;
+                *g = gelu_tanh_like_ggml(*g, table) * u;
             }
         }
+    });
+}
+
+/// GELU (tanh form) as ggml evaluates it: zero below -10, the identity above
+/// 10, and in between a table indexed by the f16 rounding of the input that
+/// holds f16 results. Matching it keeps our logits within llama.cpp's rounding
+/// (and a lookup is far cheaper than `tanh`).
+fn gelu_tanh_like_ggml(x: f32, table: &[f16; 1 << 16]) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        table[usize::from(f16::from_f32(x).to_bits())].to_f32()
     }
 }
 
-/// GELU (tanh form) as ggml evaluates it: through a table indexed by the
-/// f16 rounding of the input and holding f16 results, linear above 10 and zero
-/// below -10. Matching it keeps our logits within llama.cpp's rounding.
-fn gelu_tanh_f16_table(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    const COEF_A: f32 = 0.044_715;
-    if x <= -10.0 {
-        return 0.0;
-    }
-    if x >= 10.0 {
-        return x;
-    }
-    let x = half::f16::from_f32(x).to_f32();
-    let y = 0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh());
-    half::f16::from_f32(y).to_f32()
+/// `gelu(x)` rounded to f16 for every f16 bit pattern `x`, built once.
+fn gelu_table() -> &'static [f16; 1 << 16] {
+    static TABLE: OnceLock<Box<[f16; 1 << 16]>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+        const COEF_A: f32 = 0.044_715;
+        let mut table = Box::new([f16::ZERO; 1 << 16]);
+        for (bits, y) in table.iter_mut().enumerate() {
+            let x = f16::from_bits(bits as u16).to_f32();
+            *y = f16::from_f32(0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh()));
+        }
+        table
+    })
 }
 
 pub fn add_assign(x: &mut [f32], y: &[f32]) {

@@ -172,6 +172,8 @@ impl<'a> Model<'a> {
             }
             let batch = AttentionBatch {
                 queries: &s.q,
+                keys: &s.k,
+                values: &s.v,
                 pos0,
                 n_head: hp.n_head,
                 head_dim_k: hp.head_dim_k,
@@ -190,7 +192,7 @@ impl<'a> Model<'a> {
             blocks::rms_norm(&s.x, &l.ffn_norm, hp.rms_eps, &mut s.normed);
             l.w_gate.matmul(&s.normed, &mut s.gate, &mut s.matmul);
             l.w_up.matmul(&s.normed, &mut s.up, &mut s.matmul);
-            blocks::gated_activation(&mut s.gate, &s.up, hp.ffn_activation);
+            blocks::gated_activation(&mut s.gate, &s.up, hp.ffn_activation, hp.n_ff);
             l.w_down.matmul(&s.gate, &mut s.proj, &mut s.matmul);
             if let Some(w) = &l.post_ffn_norm {
                 blocks::rms_norm_in_place(&mut s.proj, w, hp.rms_eps);

@@ -3,20 +3,21 @@
 //! gathered into one vector, scaled and added to eight f32 lanes — the order
 //! `crate::formats` prescribes.
 //!
-//! The tile kernel [`tile`] does the same per (row, token) pair, from weight blocks
+//! The tile kernels ([`Tiled`]) do the same per (row, token) pair, from weight blocks
 //! unpacked once per tile ([`Block32::prepare`]) and laid out so that the eight block
-//! sums need no horizontal reduction (see [`tile_group`]).
+//! sums need no horizontal reduction.
 
 use core::arch::x86_64::*;
+use core::marker::PhantomData;
 
-use super::tile::transpose8x8;
+use super::tile::{transpose8x8, Tiles};
 use super::{cvt_f16x8, reduce8_ps, reduce8x8, IsaOps};
 
-/// Rows and tokens of a [`tile`]: `R` rows share each token's transposed activations,
-/// `T` tokens each row's prepared weights.
-pub(crate) const TILE: (usize, usize) = (crate::dispatch::TILE_ROWS, 16);
-const TILE_ROWS: usize = TILE.0;
-const TILE_TOKENS: usize = TILE.1;
+/// Rows and tokens of a tile: `R` rows share the packed activations of each group,
+/// `T` tokens the prepared weights.
+pub(crate) const TILE: (usize, usize) = (TILE_ROWS, TILE_TOKENS);
+const TILE_ROWS: usize = crate::dispatch::TILE_ROWS;
+const TILE_TOKENS: usize = 64;
 
 /// A 32-element weight block and its activation block.
 pub(crate) trait Block32: bytemuck::Pod {
@@ -115,99 +116,140 @@ unsafe fn group<I: IsaOps, B: Block32, const R: usize>(xs: &[&[B]; R], y: &[B::A
     }
 }
 
-/// Working memory of [`tile`], kept across the tiles of a `dot_tile` call (so that it is
-/// zeroed once per call, not once per tile).
-#[derive(Clone, Copy, bytemuck::Zeroable)]
-pub(crate) struct Scratch {
-    /// The current group of every row and token.
-    rows: [Blocks; TILE_ROWS],
-    tokens: [Blocks; TILE_TOKENS],
-    /// Eight f32 lanes per (row, token) pair, as in [`dot_n`].
-    acc: [[__m256; TILE_TOKENS]; TILE_ROWS],
-}
+/// The tile kernels of a 32-element format `B` (see [`Tiles`]).
+///
+/// Blocks are transposed in groups of eight: vector `m` holds bytes `4m .. 4m + 4` of
+/// block `j` in its i32 lane `j`, for the weights (prepared once per row and tile) and
+/// for the activations (packed once per token tile). Eight dot products of transposed
+/// vectors then leave each block's exact sum in its own lane, which is the layout
+/// [`group`] reduces its lanes to, and the same float operations follow.
+pub(crate) struct Tiled<B>(PhantomData<B>);
 
-/// Up to eight blocks of one row or token, as [`tile_group`] uses them.
-#[derive(Clone, Copy, bytemuck::Zeroable)]
-struct Blocks {
+/// Eight blocks (zero past the end of the row) of one activation row, packed; or of one
+/// weight row, prepared.
+#[derive(Clone, Copy, bytemuck::Zeroable, bytemuck::Pod)]
+#[repr(C)]
+pub(crate) struct Group {
     /// The quants (weights: prepared), transposed.
     quants: [__m256i; 8],
     /// The scales `d`, and the minimums `m` (weights) or sums `s` (activations), one
     /// lane per block.
-    scales: (__m256, __m256),
+    d: __m256,
+    m: __m256,
     /// Activations: where the sums start, `−OFFSET · Σ y`, one lane per block.
     start: __m256i,
 }
 
-/// Dot products of [`TILE`]` = (R, T)` weight rows with `T` activation rows
-/// (`[row][token]`), each bit-identical to [`dot_n`]'s for that pair.
-///
-/// # Safety
-/// The CPU must support `I`; every row has as many blocks as every activation row.
-#[inline(always)]
-pub(crate) unsafe fn tile<I: IsaOps, B: Block32>(
-    xs: [&[B]; TILE_ROWS],
-    ys: [&[B::Act]; TILE_TOKENS],
-    scratch: &mut Scratch,
-) -> [[f32; TILE_TOKENS]; TILE_ROWS] {
-    // SAFETY: the caller guarantees the ISA.
-    unsafe {
-        let nb = ys[0].len();
-        let full = nb / 8 * 8;
-        let mut b0 = 0;
-        while b0 < full {
-            tile_group::<I, B>(&xs, &ys, b0, 8, scratch);
-            b0 += 8;
-        }
-        if b0 < nb {
-            tile_group::<I, B>(&xs, &ys, b0, nb - b0, scratch);
-        }
-        let mut out = [[0f32; TILE_TOKENS]; TILE_ROWS];
-        for r in 0..TILE_ROWS {
-            for t in 0..TILE_TOKENS {
-                out[r][t] = reduce8_ps(scratch.acc[r][t]);
+/// Working memory of a tile.
+#[derive(Clone, Copy, bytemuck::Zeroable)]
+pub(crate) struct Scratch {
+    /// The current group of every row.
+    rows: [Group; TILE_ROWS],
+    /// Eight f32 lanes per (row, token) pair, as in [`dot_n`].
+    acc: [[__m256; TILE_TOKENS]; TILE_ROWS],
+}
+
+impl<B: Block32> Tiles<TILE_ROWS, TILE_TOKENS> for Tiled<B> {
+    type W = B;
+    type A = B::Act;
+    /// Group `g` of token `t` is unit `g · T + t`.
+    type Packed = Group;
+    type Scratch = Scratch;
+
+    fn packed_len(nb: usize) -> usize {
+        nb.div_ceil(8)
+    }
+
+    #[inline(always)]
+    unsafe fn pack<I: IsaOps>(ys: [&[B::Act]; TILE_TOKENS], tokens: usize, out: &mut [Group]) {
+        // SAFETY: the caller guarantees the ISA.
+        unsafe {
+            let nb = ys[0].len();
+            for (g, out) in out.chunks_exact_mut(TILE_TOKENS).enumerate() {
+                let (b0, k) = (8 * g, (nb - 8 * g).min(8));
+                for (group, y) in out.iter_mut().zip(&ys).take(tokens.next_multiple_of(MICRO)) {
+                    let y = &y[b0..b0 + k];
+                    let mut v = [_mm256_setzero_si256(); 8];
+                    for j in 0..k {
+                        v[j] = B::act_quants(&y[j]);
+                    }
+                    group.quants = transpose8x8(&v);
+                    (group.d, group.m) = act_scales::<B>(y);
+                    let mut offset = _mm256_setzero_si256();
+                    if B::OFFSET != 0 {
+                        for m in 0..8 {
+                            offset = I::dp(offset, _mm256_set1_epi8(B::OFFSET), group.quants[m]);
+                        }
+                    }
+                    group.start = _mm256_sub_epi32(_mm256_setzero_si256(), offset);
+                }
             }
         }
-        out
+    }
+
+    #[inline(always)]
+    unsafe fn tile<I: IsaOps>(
+        xs: [&[B]; TILE_ROWS],
+        packed: &[Group],
+        tokens: usize,
+        s: &mut Scratch,
+    ) -> [[f32; TILE_TOKENS]; TILE_ROWS] {
+        // SAFETY: the caller guarantees the ISA.
+        unsafe {
+            let nb = xs[0].len();
+            // Tokens are computed (and were packed) in whole micro tiles.
+            let micro = tokens.next_multiple_of(MICRO);
+            let full = nb / 8 * 8;
+            let mut b0 = 0;
+            while b0 < full {
+                tile_group::<I, B>(&xs, &packed[b0 / 8 * TILE_TOKENS..][..micro], b0, 8, s);
+                b0 += 8;
+            }
+            if b0 < nb {
+                tile_group::<I, B>(&xs, &packed[b0 / 8 * TILE_TOKENS..][..micro], b0, nb - b0, s);
+            }
+            // Each pair's lanes folded as `reduce8_ps` does, eight pairs at a time.
+            let mut out = [[0f32; TILE_TOKENS]; TILE_ROWS];
+            for r in 0..TILE_ROWS {
+                for t0 in (0..tokens).step_by(8) {
+                    let mut acc = [_mm256_setzero_si256(); 8];
+                    for j in 0..8 {
+                        acc[j] = _mm256_castps_si256(s.acc[r][t0 + j]);
+                    }
+                    let lanes = transpose8x8(&acc);
+                    let mut half = [_mm256_setzero_ps(); 4];
+                    for j in 0..4 {
+                        half[j] = _mm256_add_ps(_mm256_castsi256_ps(lanes[j]), _mm256_castsi256_ps(lanes[j + 4]));
+                    }
+                    let folded = _mm256_add_ps(_mm256_add_ps(half[0], half[2]), _mm256_add_ps(half[1], half[3]));
+                    out[r][t0..t0 + 8].copy_from_slice(&bytemuck::cast::<__m256, [f32; 8]>(folded));
+                }
+            }
+            out
+        }
     }
 }
 
+/// Rows and tokens of the products in [`tile_group`].
+const MICRO: usize = 4;
+
 /// [`group`] for a tile: adds blocks `b0 .. b0 + k` (`k ≤ 8`) of every (row, token)
-/// pair to the accumulators (the first group, `b0 == 0`, to zero).
-///
-/// The blocks are transposed: vector `m` holds bytes `4m .. 4m + 4` of block `j` in its
-/// i32 lane `j`, for the weights (prepared once per row) and for the activations (once
-/// per token). Eight dot products of transposed vectors then leave each block's sum in
-/// its own lane, which is the layout [`group`] reduces its lanes to. For formats with
-/// an offset, the sums start from `−OFFSET · Σ y`, also computed once per token. The
-/// products run 4 rows × 4 tokens at a time, so that each vector loaded serves four.
+/// pair to the accumulators (the first group, `b0 == 0`, to zero), for the tokens
+/// whose blocks `tokens` holds, packed (a multiple of [`MICRO`] of them). The products
+/// run [`MICRO`] rows × [`MICRO`] tokens at a time, so that each vector loaded serves
+/// several.
 #[inline(always)]
 unsafe fn tile_group<I: IsaOps, B: Block32>(
     xs: &[&[B]; TILE_ROWS],
-    ys: &[&[B::Act]; TILE_TOKENS],
+    tokens: &[Group],
     b0: usize,
     k: usize,
     s: &mut Scratch,
 ) {
-    const M: usize = 4;
+    const M: usize = MICRO;
     const { assert!(TILE_ROWS.is_multiple_of(M) && TILE_TOKENS.is_multiple_of(M)) };
     // SAFETY: the caller guarantees the ISA.
     unsafe {
-        for (token, y) in s.tokens.iter_mut().zip(ys) {
-            let y = &y[b0..b0 + k];
-            let mut v = [_mm256_setzero_si256(); 8];
-            for j in 0..k {
-                v[j] = B::act_quants(&y[j]);
-            }
-            token.quants = transpose8x8(&v);
-            token.scales = act_scales::<B>(y);
-            if B::OFFSET != 0 {
-                let mut offset = _mm256_setzero_si256();
-                for m in 0..8 {
-                    offset = I::dp(offset, _mm256_set1_epi8(B::OFFSET), token.quants[m]);
-                }
-                token.start = _mm256_sub_epi32(_mm256_setzero_si256(), offset);
-            }
-        }
         for (row, x) in s.rows.iter_mut().zip(xs) {
             let x = &x[b0..b0 + k];
             let mut p = [_mm256_setzero_si256(); 8];
@@ -215,19 +257,19 @@ unsafe fn tile_group<I: IsaOps, B: Block32>(
                 p[j] = B::prepare::<I>(&x[j]);
             }
             row.quants = transpose8x8(&p);
-            row.scales = weight_scales(x);
+            (row.d, row.m) = weight_scales(x);
         }
         for r0 in (0..TILE_ROWS).step_by(M) {
-            for t0 in (0..TILE_TOKENS).step_by(M) {
+            for t0 in (0..tokens.len()).step_by(M) {
                 let mut sums = [[_mm256_setzero_si256(); M]; M];
                 for i in 0..M {
                     for j in 0..M {
-                        sums[i][j] = s.tokens[t0 + j].start;
+                        sums[i][j] = tokens[t0 + j].start;
                     }
                 }
                 for m in 0..8 {
                     for j in 0..M {
-                        let y = s.tokens[t0 + j].quants[m];
+                        let y = tokens[t0 + j].quants[m];
                         for i in 0..M {
                             sums[i][j] = B::dp_prepared::<I>(sums[i][j], s.rows[r0 + i].quants[m], y);
                         }
@@ -235,7 +277,8 @@ unsafe fn tile_group<I: IsaOps, B: Block32>(
                 }
                 for i in 0..M {
                     for j in 0..M {
-                        let v = block_values::<B>(s.rows[r0 + i].scales, s.tokens[t0 + j].scales, sums[i][j]);
+                        let (row, token) = (&s.rows[r0 + i], &tokens[t0 + j]);
+                        let v = block_values::<B>((row.d, row.m), (token.d, token.m), sums[i][j]);
                         let acc = &mut s.acc[r0 + i][t0 + j];
                         *acc = _mm256_add_ps(if b0 == 0 { _mm256_setzero_ps() } else { *acc }, v);
                     }

@@ -10,9 +10,15 @@
 //! macro then instantiates each kernel inside a `#[target_feature]` entry point per ISA,
 //! where LLVM inlines everything and compiles it with that ISA's instructions.
 //!
-//! Each format also has a *tile* kernel for products of many rows with many tokens
-//! ([`tile`]): it unpacks each weight block once for a tile of activation rows. The
-//! 32-element formats share one in `block32.rs`, the K-quants one in `superblock.rs`.
+//! Each format also has *tile* kernels for products of many rows with many tokens
+//! ([`tile`]): they pack each activation block once for all rows and unpack each weight
+//! block once for a tile of tokens. The 32-element formats share theirs in
+//! `block32.rs`, the K-quants in `superblock.rs`.
+//!
+//! The generic helpers (which have no target features of their own) contain no closures
+//! that call intrinsics: such a closure is compiled as a function of its own, without
+//! the entry point's features, and its intrinsics are then not inlined. Loops over
+//! arrays serve instead.
 //!
 //! The attention kernels are written once for every table in [`crate::attention`],
 //! generic over a vector of f32 lanes; `attention.rs` supplies the AVX2 and AVX-512
@@ -50,7 +56,9 @@ pub(crate) mod tile;
 
 /// The instruction that differs between the ISAs' integer kernels.
 pub(crate) trait IsaOps {
-    /// Weight rows per activation pass in `dot_rows`.
+    /// Weight rows per activation pass in `dot_rows`. One, on both ISAs: with
+    /// more, the kernel's registers spill and a decode step's weight stream
+    /// (the output head above all) ran at a third of the speed on Zen 4.
     const ROWS: usize;
 
     /// `acc + Σ u·s` over each group of four bytes (`u` unsigned, `s` signed), one i32
@@ -75,7 +83,7 @@ pub(crate) struct Avx2;
 pub(crate) struct Avx512;
 
 impl IsaOps for Avx2 {
-    const ROWS: usize = 2;
+    const ROWS: usize = 1;
 
     #[inline(always)]
     unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
@@ -94,7 +102,7 @@ impl IsaOps for Avx2 {
 }
 
 impl IsaOps for Avx512 {
-    const ROWS: usize = 4;
+    const ROWS: usize = 1;
 
     #[inline(always)]
     unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
@@ -193,19 +201,19 @@ pub(crate) fn bits32(qh: [u8; 4]) -> __m256i {
 }
 
 /// Defines, for one integer kernel `$kernel::<I, R>(xs: [&[$W]; R], y: &[$A]) -> [f32; R]`
-/// and its tile kernel `$tile::<I>(xs: [&[$W]; R], ys: [&[$A]; T], scratch) -> [[f32; T]; R]`
-/// (see [`tile`]; `scratch` is zeroed once per call), the modules `avx2` and `avx512`, each with the byte-level table
-/// entries `dot`, `dot_rows` and `dot_tile` compiled for that ISA.
+/// and the tile kernels of its family (`$family::Tiled<$W>`, see [`tile`]), the modules
+/// `avx2` and `avx512`, each with the byte-level table entries `dot`, `dot_rows` and
+/// `dot_tile` compiled for that ISA.
 macro_rules! x86_entries {
-    ($kernel:ident, $tile:ident, $W:ty, $A:ty) => {
+    ($kernel:ident, $family:ident, $W:ty, $A:ty) => {
         // The feature lists are those `Isa::is_supported` checks.
-        $crate::x86::x86_entries!(@isa avx2, $crate::x86::Avx2, "avx2,fma,f16c", $kernel, $tile, $W, $A);
+        $crate::x86::x86_entries!(@isa avx2, $crate::x86::Avx2, "avx2,fma,f16c", $kernel, $family, $W, $A);
         $crate::x86::x86_entries!(
             @isa avx512, $crate::x86::Avx512,
-            "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", $kernel, $tile, $W, $A
+            "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", $kernel, $family, $W, $A
         );
     };
-    (@isa $module:ident, $I:ty, $features:literal, $kernel:ident, $tile:ident, $W:ty, $A:ty) => {
+    (@isa $module:ident, $I:ty, $features:literal, $kernel:ident, $family:ident, $W:ty, $A:ty) => {
         pub(crate) mod $module {
             use super::*;
             use $crate::formats::cast_blocks;
@@ -250,13 +258,12 @@ macro_rules! x86_entries {
             /// The CPU must support the ISA; lengths as `dispatch::DotTileFn`.
             #[target_feature(enable = $features)]
             pub(crate) unsafe fn dot_tile(w: &[u8], a: &[u8], act_len: usize, out: &mut [f32], out_stride: usize) {
+                use $crate::x86::$family::{Tiled, TILE};
                 let nb = act_len / core::mem::size_of::<$A>();
                 let (w, a) = (cast_blocks::<$W>(w), cast_blocks::<$A>(a));
-                let mut scratch = bytemuck::Zeroable::zeroed();
-                $crate::x86::tile::drive(w, a, nb, out, out_stride, |xs, ys| {
-                    // SAFETY: this function's target features are the ISA's.
-                    unsafe { $tile::<$I>(xs, ys, &mut scratch) }
-                });
+                // SAFETY: this function's target features are the ISA's; lengths as
+                // `dispatch::DotTileFn`.
+                unsafe { $crate::x86::tile::drive::<$I, Tiled<$W>, { TILE.0 }, { TILE.1 }>(w, a, nb, out, out_stride) }
             }
         }
     };

@@ -3,7 +3,7 @@
 
 use core::arch::x86_64::*;
 
-use super::block32::{dot_n, sign_trick, tile, Block32, Scratch, TILE};
+use super::block32::{dot_n, sign_trick, Block32};
 use super::{load32, nibbles32, IsaOps};
 use crate::formats::{BlockQ4_0, BlockQ8_0};
 
@@ -44,15 +44,4 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ4_0]; R], y: &[BlockQ8_
     unsafe { dot_n::<I, BlockQ4_0, R>(xs, y) }
 }
 
-/// See [`tile`].
-#[inline(always)]
-unsafe fn tile_kernel<I: IsaOps>(
-    xs: [&[BlockQ4_0]; TILE.0],
-    ys: [&[BlockQ8_0]; TILE.1],
-    scratch: &mut Scratch,
-) -> [[f32; TILE.1]; TILE.0] {
-    // SAFETY: forwarded precondition.
-    unsafe { tile::<I, BlockQ4_0>(xs, ys, scratch) }
-}
-
-super::x86_entries!(kernel, tile_kernel, BlockQ4_0, BlockQ8_0);
+super::x86_entries!(kernel, block32, BlockQ4_0, BlockQ8_0);

@@ -3,7 +3,7 @@
 
 use core::arch::x86_64::*;
 
-use super::superblock::{tile, Prepared, Scratch, SuperBlock, TILE};
+use super::superblock::{Prepared, SuperBlock};
 use super::{hsum_i32, load32, reduce8x8, IsaOps};
 use crate::formats::q4_k::scales_mins_words;
 use crate::formats::{f16_to_f32, BlockQ4K, BlockQ8K};
@@ -45,14 +45,13 @@ pub(crate) fn activation_vectors(y: &BlockQ8K) -> [__m256i; 8] {
 fn quants(x: &BlockQ4K) -> [__m256i; 8] {
     let (qs, _) = x.qs.as_chunks::<32>();
     let low = _mm256_set1_epi8(0x0f);
-    core::array::from_fn(|j| {
-        let q = load32(&qs[j / 2]);
-        if j % 2 == 0 {
-            _mm256_and_si256(q, low)
-        } else {
-            _mm256_and_si256(_mm256_srli_epi16(q, 4), low)
-        }
-    })
+    let mut q = [_mm256_setzero_si256(); 8];
+    for c in 0..4 {
+        let b = load32(&qs[c]);
+        q[2 * c] = _mm256_and_si256(b, low);
+        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
+    }
+    q
 }
 
 /// The 6-bit scales and minimums of Q4_K and Q5_K as tile multipliers: scale `j` in i32
@@ -120,15 +119,4 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ4K]; R], y: &[BlockQ8K]
     }
 }
 
-/// See [`tile`].
-#[inline(always)]
-unsafe fn tile_kernel<I: IsaOps>(
-    xs: [&[BlockQ4K]; TILE.0],
-    ys: [&[BlockQ8K]; TILE.1],
-    scratch: &mut Scratch,
-) -> [[f32; TILE.1]; TILE.0] {
-    // SAFETY: forwarded precondition.
-    unsafe { tile::<I, BlockQ4K>(xs, ys, scratch) }
-}
-
-super::x86_entries!(kernel, tile_kernel, BlockQ4K, BlockQ8K);
+super::x86_entries!(kernel, superblock, BlockQ4K, BlockQ8K);

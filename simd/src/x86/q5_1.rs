@@ -2,7 +2,7 @@
 
 use core::arch::x86_64::*;
 
-use super::block32::{dot_n, tile, Block32, Scratch, TILE};
+use super::block32::{dot_n, Block32};
 use super::{bits32, load32, nibbles32, IsaOps};
 use crate::formats::{BlockQ5_1, BlockQ8_1};
 
@@ -39,15 +39,4 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ5_1]; R], y: &[BlockQ8_
     unsafe { dot_n::<I, BlockQ5_1, R>(xs, y) }
 }
 
-/// See [`tile`].
-#[inline(always)]
-unsafe fn tile_kernel<I: IsaOps>(
-    xs: [&[BlockQ5_1]; TILE.0],
-    ys: [&[BlockQ8_1]; TILE.1],
-    scratch: &mut Scratch,
-) -> [[f32; TILE.1]; TILE.0] {
-    // SAFETY: forwarded precondition.
-    unsafe { tile::<I, BlockQ5_1>(xs, ys, scratch) }
-}
-
-super::x86_entries!(kernel, tile_kernel, BlockQ5_1, BlockQ8_1);
+super::x86_entries!(kernel, block32, BlockQ5_1, BlockQ8_1);

@@ -3,7 +3,7 @@
 use core::arch::x86_64::*;
 
 use super::q4_k::{activation_vectors, pair_sums, scaled_total, tile_scales, weighted_sum};
-use super::superblock::{tile, Prepared, Scratch, SuperBlock, TILE};
+use super::superblock::{Prepared, SuperBlock};
 use super::{load32, IsaOps};
 use crate::formats::q4_k::scales_mins_words;
 use crate::formats::{f16_to_f32, BlockQ5K, BlockQ8K};
@@ -83,15 +83,4 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ5K]; R], y: &[BlockQ8K]
     }
 }
 
-/// See [`tile`].
-#[inline(always)]
-unsafe fn tile_kernel<I: IsaOps>(
-    xs: [&[BlockQ5K]; TILE.0],
-    ys: [&[BlockQ8K]; TILE.1],
-    scratch: &mut Scratch,
-) -> [[f32; TILE.1]; TILE.0] {
-    // SAFETY: forwarded precondition.
-    unsafe { tile::<I, BlockQ5K>(xs, ys, scratch) }
-}
-
-super::x86_entries!(kernel, tile_kernel, BlockQ5K, BlockQ8K);
+super::x86_entries!(kernel, superblock, BlockQ5K, BlockQ8K);

@@ -4,7 +4,7 @@
 use core::arch::x86_64::*;
 
 use super::q4_k::activation_vectors;
-use super::superblock::{tile, Prepared, Scratch, SuperBlock, TILE};
+use super::superblock::{Prepared, SuperBlock};
 use super::{hsum_i32, load16, load32, IsaOps};
 use crate::formats::{f16_to_f32, BlockQ6K, BlockQ8K};
 
@@ -95,15 +95,4 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ6K]; R], y: &[BlockQ8K]
     }
 }
 
-/// See [`tile`].
-#[inline(always)]
-unsafe fn tile_kernel<I: IsaOps>(
-    xs: [&[BlockQ6K]; TILE.0],
-    ys: [&[BlockQ8K]; TILE.1],
-    scratch: &mut Scratch,
-) -> [[f32; TILE.1]; TILE.0] {
-    // SAFETY: forwarded precondition.
-    unsafe { tile::<I, BlockQ6K>(xs, ys, scratch) }
-}
-
-super::x86_entries!(kernel, tile_kernel, BlockQ6K, BlockQ8K);
+super::x86_entries!(kernel, superblock, BlockQ6K, BlockQ8K);

@@ -29,19 +29,23 @@ pub(crate) trait Tiles<const R: usize, const T: usize> {
     /// Units of packed activations per activation row of `nb` blocks.
     fn packed_len(nb: usize) -> usize;
 
-    /// Packs the activation rows `ys` into `out` (`T · packed_len` units).
+    /// Packs the activation rows `ys` into `out` (`T · packed_len` units); only the
+    /// first `tokens` rows (at least one) are needed, and the rest may be skipped.
     ///
     /// # Safety
     /// The CPU must support `I`.
-    unsafe fn pack<I: IsaOps>(ys: [&[Self::A]; T], out: &mut [Self::Packed]);
+    unsafe fn pack<I: IsaOps>(ys: [&[Self::A]; T], tokens: usize, out: &mut [Self::Packed]);
 
-    /// `[i][j]` = weight row `xs[i]` · the `j`-th activation row that `packed` holds.
+    /// `[i][j]` = weight row `xs[i]` · the `j`-th activation row that `packed` holds,
+    /// for `j < tokens` (other results are unspecified).
     ///
     /// # Safety
-    /// The CPU must support `I`; every row has as many blocks as the packed ones.
+    /// The CPU must support `I`; every row has as many blocks as the packed ones, and
+    /// `packed` holds what [`Tiles::pack`] wrote for `tokens`.
     unsafe fn tile<I: IsaOps>(
         xs: [&[Self::W]; R],
         packed: &[Self::Packed],
+        tokens: usize,
         scratch: &mut Self::Scratch,
     ) -> [[f32; T]; R];
 }
@@ -61,8 +65,8 @@ thread_local! {
 /// each, a tile at a time.
 ///
 /// Tokens are the outer loop: each tile of tokens is packed once, and stays in cache
-/// while the weight rows stream past. A ragged last tile repeats its last row or token
-/// and drops the copies' results.
+/// while the weight rows stream past. A ragged last tile of rows repeats its last row
+/// and drops the copies' results; one of tokens tells the kernels how many are real.
 ///
 /// # Safety
 /// The CPU must support `I`; `w` and `a` hold whole rows, at least one each, and `out`
@@ -87,12 +91,12 @@ pub(crate) unsafe fn drive<I: IsaOps, F: Tiles<R, T>, const R: usize, const T: u
     let packed: &mut [F::Packed] = bytemuck::cast_slice_mut(&mut buffer[..chunks]);
     let mut scratch = bytemuck::Zeroable::zeroed();
     for t0 in (0..n_tokens).step_by(T) {
-        // SAFETY: the caller guarantees the ISA.
-        unsafe { F::pack::<I>(core::array::from_fn(|j| act(t0 + j)), packed) };
         let tokens = T.min(n_tokens - t0);
+        // SAFETY: the caller guarantees the ISA.
+        unsafe { F::pack::<I>(core::array::from_fn(|j| act(t0 + j)), tokens, packed) };
         for r0 in (0..n_rows).step_by(R) {
             // SAFETY: as above; the rows have `nb` blocks, as the packed ones.
-            let res = unsafe { F::tile::<I>(core::array::from_fn(|i| row(r0 + i)), packed, &mut scratch) };
+            let res = unsafe { F::tile::<I>(core::array::from_fn(|i| row(r0 + i)), packed, tokens, &mut scratch) };
             let rows = R.min(n_rows - r0);
             for j in 0..tokens {
                 let out = &mut out[(t0 + j) * out_stride + r0..][..rows];
