@@ -3,26 +3,14 @@
 
 mod common;
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
-use std::sync::OnceLock;
 
 use sift::chat::{encode, BuiltIn, ChatTemplate, Message, Origin};
-use sift::gguf::GgufFile;
 use sift::model::Arch;
 use sift::tokenizer::Tokenizer;
 
-fn load(path: &Path) -> Tokenizer {
-    let file = GgufFile::open(path).unwrap_or_else(|e| panic!("{e}"));
-    Tokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// The default model's tokenizer, built once for all the tests that use it.
-fn gemma3() -> &'static Tokenizer {
-    static GEMMA3: OnceLock<Tokenizer> = OnceLock::new();
-    GEMMA3.get_or_init(|| load(&common::default_model()))
-}
+use common::{gemma3_tokenizer as gemma3, tokenizer as load};
 
 /// One of llama.cpp's vocabulary-only files.
 fn vocabulary(test: &str, name: &str) -> Option<Tokenizer> {
@@ -175,16 +163,8 @@ fn templates_get_hugging_faces_jinja_environment() {
 /// `sift chat` with short greedy replies, `input` on standard input.
 fn chat(args: &[&str], input: &[u8]) -> Output {
     let model = common::default_model();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sift"))
-        .args(["chat", "-m", model.to_str().unwrap(), "-n", "8", "--temp", "0"])
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(input).unwrap();
-    child.wait_with_output().unwrap()
+    let base = ["chat", "-m", model.to_str().unwrap(), "-n", "8", "--temp", "0"];
+    common::sift_with_stdin(&[&base[..], args].concat(), input)
 }
 
 fn text(bytes: &[u8]) -> String {

@@ -2,7 +2,6 @@
 
 mod common;
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
 
@@ -10,17 +9,7 @@ fn sift(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_sift")).args(args).stdin(Stdio::null()).output().unwrap()
 }
 
-fn sift_with_stdin(args: &[&str], input: &[u8]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sift"))
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(input).unwrap();
-    child.wait_with_output().unwrap()
-}
+use common::sift_with_stdin;
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()

@@ -4,7 +4,6 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use sift::gguf::GgufFile;
@@ -13,16 +12,7 @@ use sift::tokenizer::{TextStream, Tokenizer, TokenizerError};
 /// Between two test inputs in a `.inp` file.
 const SEPARATOR: &str = "\n__ggml_vocab_test__\n";
 
-fn load(path: &Path) -> Tokenizer {
-    let file = GgufFile::open(path).unwrap_or_else(|e| panic!("{e}"));
-    Tokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// The default model's tokenizer, built once for all the tests that use it.
-fn gemma3() -> &'static Tokenizer {
-    static GEMMA3: OnceLock<Tokenizer> = OnceLock::new();
-    GEMMA3.get_or_init(|| load(&common::default_model()))
-}
+use common::{gemma3_tokenizer as gemma3, tokenizer as load};
 
 fn vectors_dir(test: &str) -> Option<PathBuf> {
     Some(common::shared_dir(test)?.join("data/tokenizer-vectors"))

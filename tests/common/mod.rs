@@ -1,8 +1,13 @@
 //! Shared test plumbing: where the default model and the shared references live.
 #![allow(dead_code)] // each test binary uses a different subset
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+use sift::gguf::GgufFile;
+use sift::tokenizer::Tokenizer;
 
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -34,4 +39,29 @@ pub fn shared_dir(test: &str) -> Option<PathBuf> {
 pub fn read_json(path: &Path) -> serde_json::Value {
     let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The tokenizer of a GGUF file.
+pub fn tokenizer(path: &Path) -> Tokenizer {
+    let file = GgufFile::open(path).unwrap_or_else(|e| panic!("{e}"));
+    Tokenizer::from_gguf(&file).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The default model's tokenizer, built once for all the tests that use it.
+pub fn gemma3_tokenizer() -> &'static Tokenizer {
+    static GEMMA3: OnceLock<Tokenizer> = OnceLock::new();
+    GEMMA3.get_or_init(|| tokenizer(&default_model()))
+}
+
+/// Runs the `sift` binary with `input` on standard input.
+pub fn sift_with_stdin(args: &[&str], input: &[u8]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sift"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    child.wait_with_output().unwrap()
 }
