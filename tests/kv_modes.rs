@@ -29,31 +29,14 @@
 //! tested with the query scaled so that `ε` is at most 0.05 (at natural
 //! scale, 2-bit keys move scores by several units in the worst case).
 
+mod common;
+
 use half::f16;
 use sift::attn::dense::{attend, AttentionBatch};
 use sift::kv::page::{KvMode, PagedLayer, Storage, RESIDUAL};
 use sift::kv::{CacheShape, PAGE};
 
-/// SplitMix64: the test's own reproducible numbers.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    fn normal(&mut self) -> f64 {
-        ((0..4).map(|_| self.unit()).sum::<f64>() - 2.0) * 3f64.sqrt()
-    }
-}
+use common::Rng;
 
 fn shape(n_kv_head: usize, head_dim_k: usize, head_dim_v: usize) -> CacheShape {
     CacheShape { n_kv_head, head_dim_k, head_dim_v, windows: vec![None] }

@@ -13,6 +13,8 @@
 //! numbers at f16's limit, constant channels, one sign only, per-channel
 //! magnitudes spread over ten decades, and queries from 10^-30 to 10^30.
 
+mod common;
+
 use half::f16;
 use proptest::prelude::*;
 use sift::kv::quant::Bits;
@@ -21,28 +23,7 @@ use sift::kv::{Bounds, KeySketch, PageKeys, ScanQuery, PAGE};
 const KINDS: [PageKeys; 4] =
     [PageKeys::Exact, PageKeys::Coded(Bits::Eight), PageKeys::Coded(Bits::Four), PageKeys::Coded(Bits::Two)];
 
-/// SplitMix64: the test's own reproducible numbers.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Roughly normal: a sum of four uniforms, centred and scaled.
-    fn normal(&mut self) -> f64 {
-        ((0..4).map(|_| self.unit()).sum::<f64>() - 2.0) * 3f64.sqrt()
-    }
-}
+use common::Rng;
 
 #[derive(Clone, Copy, Debug)]
 enum Shape {

@@ -68,25 +68,7 @@ pub(crate) fn tile_scales(scales: &[u8; 12]) -> (__m256i, __m256i) {
     (_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(sc as i64)), _mm256_shuffle_epi8(_mm256_set1_epi64x(mn as i64), pairs))
 }
 
-impl SuperBlock for BlockQ4K {
-    const WITH_MIN: bool = true;
-    const HALF_SCALES: bool = false;
-
-    #[inline(always)]
-    unsafe fn prepare(&self) -> Prepared {
-        // SAFETY: the caller guarantees AVX2.
-        unsafe {
-            let (scales, bsum_weights) = tile_scales(&self.scales);
-            Prepared { q: quants(self), scales: [scales; 2], bsum_weights }
-        }
-    }
-    fn d(&self) -> f32 {
-        f16_to_f32(self.d)
-    }
-    fn dmin(&self) -> f32 {
-        f16_to_f32(self.dmin)
-    }
-}
+super::superblock::superblock_with_min!(BlockQ4K);
 
 /// Dot products of `R` weight rows with one activation row.
 ///

@@ -32,25 +32,7 @@ fn quants(x: &BlockQ5K) -> [__m256i; 8] {
     q
 }
 
-impl SuperBlock for BlockQ5K {
-    const WITH_MIN: bool = true;
-    const HALF_SCALES: bool = false;
-
-    #[inline(always)]
-    unsafe fn prepare(&self) -> Prepared {
-        // SAFETY: the caller guarantees AVX2.
-        unsafe {
-            let (scales, bsum_weights) = tile_scales(&self.scales);
-            Prepared { q: quants(self), scales: [scales; 2], bsum_weights }
-        }
-    }
-    fn d(&self) -> f32 {
-        f16_to_f32(self.d)
-    }
-    fn dmin(&self) -> f32 {
-        f16_to_f32(self.dmin)
-    }
-}
+super::superblock::superblock_with_min!(BlockQ5K);
 
 /// Dot products of `R` weight rows with one activation row.
 ///

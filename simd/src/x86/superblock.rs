@@ -212,3 +212,31 @@ unsafe fn scaled_sums<I: IsaOps, K: SuperBlock, const P: usize>(
         out
     }
 }
+
+/// `SuperBlock` for the K-quants whose blocks hold `d`, `dmin` and the packed
+/// 6-bit scales and minimums (Q4_K, Q5_K); they differ only in how their
+/// quants unpack, which the invoking module's `quants` does.
+macro_rules! superblock_with_min {
+    ($block:ty) => {
+        impl SuperBlock for $block {
+            const WITH_MIN: bool = true;
+            const HALF_SCALES: bool = false;
+
+            #[inline(always)]
+            unsafe fn prepare(&self) -> Prepared {
+                // SAFETY: the caller guarantees AVX2.
+                unsafe {
+                    let (scales, bsum_weights) = tile_scales(&self.scales);
+                    Prepared { q: quants(self), scales: [scales; 2], bsum_weights }
+                }
+            }
+            fn d(&self) -> f32 {
+                f16_to_f32(self.d)
+            }
+            fn dmin(&self) -> f32 {
+                f16_to_f32(self.dmin)
+            }
+        }
+    };
+}
+pub(crate) use superblock_with_min;
