@@ -209,23 +209,34 @@ fn every_mode_reads_back_within_its_step_and_attends_within_tolerance() {
 /// queries are f16 numbers, so rounding them changes nothing.
 #[test]
 fn dense_attention_matches_f64_in_every_mode() {
-    let shape = shape(2, 64, 80);
-    let (n_head, batch, len) = (4, 32, 7 * PAGE + 13);
+    // A prefill batch, and a decoding step whose one group of heads sees
+    // enough positions to be split among the threads.
+    check_dense_attention(2, 2, 32, 7 * PAGE + 13);
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
+    pool.install(|| check_dense_attention(1, 4, 1, 23 * PAGE + 5));
+}
+
+/// `attend` over `len` positions of `n_kv_head` heads of `n_gqa` queries
+/// each, the last `batch` of them a batch, against f64.
+fn check_dense_attention(n_kv_head: usize, n_gqa: usize, batch: usize, len: usize) {
+    let shape = shape(n_kv_head, 64, 80);
+    let n_head = n_kv_head * n_gqa;
     let tokens = Tokens::new(11, len, &shape);
     let pos0 = len - batch;
     for (mode, window) in KvMode::ALL.into_iter().flat_map(|m| [(m, None), (m, Some(100))]) {
-        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, window, 640, batch);
+        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, window, len, batch);
         for pos in 0..len {
             layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
         }
         let mut rng = Rng(12);
         let cached = layer.visible(pos0).start..pos0;
-        let bounds: Vec<_> = (0..2).map(|h| check_rows(&layer, &tokens, &shape, h, cached.clone(), len)).collect();
+        let bounds: Vec<_> =
+            (0..n_kv_head).map(|h| check_rows(&layer, &tokens, &shape, h, cached.clone(), len)).collect();
         // Each query is scaled so that quantization moves no score by more than 0.05.
         let queries: Vec<f32> = (0..batch * n_head)
             .flat_map(|i| {
                 let unit: Vec<f64> = (0..64).map(|_| rng.normal() / 8.0).collect();
-                let eps = bounds[i % n_head / 2]
+                let eps = bounds[i % n_head / n_gqa]
                     .iter()
                     .map(|(e, _)| unit.iter().zip(e).map(|(q, e)| q.abs() * e).sum::<f64>())
                     .fold(0.0, f64::max);
@@ -241,14 +252,14 @@ fn dense_attention_matches_f64_in_every_mode() {
             n_head,
             head_dim_k: 64,
             head_dim_v: 80,
-            n_gqa: 2,
+            n_gqa,
             scale: 1.0,
         };
         let mut out = vec![0.0; batch * n_head * 80];
         attend(&attention, &layer, &mut out);
 
         for (i, out) in out.chunks_exact(80).enumerate() {
-            let (t, head) = (i / n_head, i % n_head / 2);
+            let (t, head) = (i / n_head, i % n_head / n_gqa);
             let q = &queries[i * 64..][..64];
             let visible = layer.visible(pos0 + t);
             let (mut key, mut value) = (vec![0.0; 64], vec![0.0; 80]);

@@ -1,5 +1,7 @@
-//! Attention over an f16 key/value cache: the scores of one query against a run of
-//! keys, the softmax's exponentials, and the probability-weighted sum of a run of values.
+//! Attention over an f16 key/value cache: the scores of a group of queries against a
+//! run of keys, the softmax's exponentials, and the probability-weighted sums of a run
+//! of values. A group is the query heads that share one KV head (grouped-query
+//! attention): each key and value is read and widened once for all of them.
 //!
 //! # One body per kernel
 //!
@@ -22,12 +24,9 @@ use half::f16;
 use crate::formats::f16_to_f32;
 use crate::formats::float32::fold;
 
-/// Keys scored per pass over the query: each key keeps its own accumulator, so the
-/// pass runs this many independent multiply-add chains.
-const KEYS_PER_PASS: usize = 4;
-
-/// Output vectors accumulated in registers while walking the value rows.
-const VALUE_COLUMNS: usize = 4;
+/// Value rows walked per block: the block's rows stay in L1 while every strip of the
+/// output passes over them, so each row is read from memory once.
+const VALUE_BLOCK: usize = 32;
 
 /// A vector of `L` f32 lanes.
 ///
@@ -145,53 +144,121 @@ fn pad<T: Copy, const L: usize>(x: &[T], fill: T) -> [T; L] {
     out
 }
 
-/// `out[j] = q · keys[j]`, where `keys` holds `out.len()` rows of `q.len()` elements.
+/// `out[h · stride + j] = queries[h] · keys[j]` for each query `h` and key `j`, where
+/// `queries` and `keys` hold rows of `dim` elements.
+///
+/// The queries are taken a group at a time (those of one KV head, in attention), so
+/// that each key is loaded and widened once for the whole group.
 ///
 /// # Safety
-/// As [`Lanes`]. `q` must not be empty and `keys.len() == out.len() * q.len()`.
+/// As [`Lanes`]. `dim > 0`; `queries.len()` and `keys.len()` are multiples of `dim`;
+/// `stride ≥ keys.len() / dim` and `out` reaches the last query's last key.
 #[inline(always)]
-pub(crate) unsafe fn scores<V: Lanes<L>, const L: usize>(q: &[f32], keys: &[f16], out: &mut [f32]) {
-    let dim = q.len();
-    let (groups, rest) = out.as_chunks_mut::<KEYS_PER_PASS>();
-    let (group_keys, rest_keys) = keys.split_at(groups.len() * KEYS_PER_PASS * dim);
-    for (o, keys) in groups.iter_mut().zip(group_keys.chunks_exact(KEYS_PER_PASS * dim)) {
-        let rows = core::array::from_fn(|r| &keys[r * dim..][..dim]);
-        // SAFETY: the caller's ISA guarantee is passed on.
-        *o = unsafe { score_keys::<V, L, KEYS_PER_PASS>(q, rows) };
+pub(crate) unsafe fn scores<V: Lanes<L>, const L: usize>(
+    dim: usize,
+    queries: &[f32],
+    keys: &[f16],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let n = keys.len() / dim;
+    if n == 0 {
+        return;
     }
-    for (o, key) in rest.iter_mut().zip(rest_keys.chunks_exact(dim)) {
-        // SAFETY: as above.
-        [*o] = unsafe { score_keys::<V, L, 1>(q, [key]) };
+    let mut queries = queries.chunks_exact(dim);
+    let mut outs = out.chunks_mut(stride).map(|o| &mut o[..n]);
+    // SAFETY (all arms): the caller's ISA guarantee is passed on.
+    loop {
+        match queries.len() {
+            0 => break,
+            1 => unsafe { score_group::<V, L, 1, 4>(&mut queries, keys, &mut outs) },
+            2 | 3 => unsafe { score_group::<V, L, 2, 4>(&mut queries, keys, &mut outs) },
+            _ => unsafe { score_group::<V, L, 4, 2>(&mut queries, keys, &mut outs) },
+        }
     }
 }
 
-/// `q · key` for each of `R` keys of `q.len()` elements, in one pass over `q`.
+/// The scores of the next `G` queries against every key, `R` keys per pass.
+///
+/// # Safety
+/// As [`Lanes`]; at least `G` queries and outputs are left.
+#[inline(always)]
+unsafe fn score_group<'a, V: Lanes<L>, const L: usize, const G: usize, const R: usize>(
+    queries: &mut impl Iterator<Item = &'a [f32]>,
+    keys: &[f16],
+    outs: &mut impl Iterator<Item = &'a mut [f32]>,
+) {
+    let qs: [&[f32]; G] = core::array::from_fn(|_| queries.next().expect("a query per group member"));
+    let mut outs: [&mut [f32]; G] = core::array::from_fn(|_| outs.next().expect("an output per query"));
+    let dim = qs[0].len();
+    let n = outs[0].len();
+    let mut j = 0;
+    while j + R <= n {
+        let rows = core::array::from_fn(|r| &keys[(j + r) * dim..][..dim]);
+        // SAFETY: the caller's ISA guarantee is passed on.
+        let sums = unsafe { score_keys::<V, L, G, R>(qs, rows) };
+        for (out, sums) in outs.iter_mut().zip(sums) {
+            out[j..j + R].copy_from_slice(&sums);
+        }
+        j += R;
+    }
+    for j in j..n {
+        // SAFETY: as above.
+        let sums = unsafe { score_keys::<V, L, G, 1>(qs, [&keys[j * dim..][..dim]]) };
+        for (out, [s]) in outs.iter_mut().zip(sums) {
+            out[j] = s;
+        }
+    }
+}
+
+/// `q · key` for each of `G` queries and `R` keys of `dim` elements, in one pass: each
+/// (query, key) pair keeps its own accumulator, so the pass runs `G · R` independent
+/// multiply-add chains, and every key vector is widened once.
 ///
 /// # Safety
 /// As [`Lanes`].
 #[inline(always)]
-unsafe fn score_keys<V: Lanes<L>, const L: usize, const R: usize>(q: &[f32], keys: [&[f16]; R]) -> [f32; R] {
-    let (q_body, q_tail) = q.as_chunks::<L>();
+unsafe fn score_keys<V: Lanes<L>, const L: usize, const G: usize, const R: usize>(
+    queries: [&[f32]; G],
+    keys: [&[f16]; R],
+) -> [[f32; R]; G] {
+    let queries = queries.map(|q| q.as_chunks::<L>());
     let keys = keys.map(|k| k.as_chunks::<L>());
-    assert!(keys.iter().all(|(body, tail)| body.len() == q_body.len() && tail.len() == q_tail.len()));
+    let (chunks, tail) = (keys[0].0.len(), keys[0].1.len());
+    assert!(queries.iter().all(|(body, rest)| body.len() == chunks && rest.len() == tail));
+    assert!(keys.iter().all(|(body, rest)| body.len() == chunks && rest.len() == tail));
     // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
     unsafe {
-        let mut acc = [V::splat(0.0); R];
-        for (c, q) in q_body.iter().enumerate() {
-            let q = V::load(q);
-            for (acc, (body, _)) in acc.iter_mut().zip(&keys) {
-                *acc = V::load_f16(&body[c]).mul_add(q, *acc);
+        let mut acc = [[V::splat(0.0); R]; G];
+        for c in 0..chunks {
+            let mut k = [V::splat(0.0); R];
+            for (k, (body, _)) in k.iter_mut().zip(&keys) {
+                *k = V::load_f16(&body[c]);
+            }
+            for (acc, (body, _)) in acc.iter_mut().zip(&queries) {
+                let q = V::load(&body[c]);
+                for (acc, k) in acc.iter_mut().zip(&k) {
+                    *acc = k.mul_add(q, *acc);
+                }
             }
         }
-        if !q_tail.is_empty() {
-            let q = V::load(&pad(q_tail, 0.0));
-            for (acc, (_, tail)) in acc.iter_mut().zip(&keys) {
-                *acc = V::load_f16(&pad(tail, f16::ZERO)).mul_add(q, *acc);
+        if tail > 0 {
+            let mut k = [V::splat(0.0); R];
+            for (k, (_, rest)) in k.iter_mut().zip(&keys) {
+                *k = V::load_f16(&pad(rest, f16::ZERO));
+            }
+            for (acc, (_, rest)) in acc.iter_mut().zip(&queries) {
+                let q = V::load(&pad(rest, 0.0));
+                for (acc, k) in acc.iter_mut().zip(&k) {
+                    *acc = k.mul_add(q, *acc);
+                }
             }
         }
-        let mut sums = [0.0; R];
-        for (s, a) in sums.iter_mut().zip(acc) {
-            *s = a.sum();
+        let mut sums = [[0.0; R]; G];
+        for (sums, acc) in sums.iter_mut().zip(acc) {
+            for (s, a) in sums.iter_mut().zip(acc) {
+                *s = a.sum();
+            }
         }
         sums
     }
@@ -258,70 +325,145 @@ unsafe fn exp<V: Lanes<L>, const L: usize>(x: V) -> V {
     }
 }
 
-/// `out += Σⱼ weights[j] · values[j]`, where `values` holds `weights.len()` rows of
-/// `out.len()` elements.
+/// `out[h] += Σⱼ weights[h · stride + j] · values[j]` for each output row `h`, where
+/// `values` and `out` hold rows of `dim` elements.
 ///
-/// The output is walked [`VALUE_COLUMNS`] vectors at a time; for each such strip every
-/// row is added into registers, and the strip is stored once.
+/// The output rows are taken a group at a time (the query heads of one KV head, in
+/// attention), so that each value vector is loaded and widened once for the group. The
+/// rows are walked [`VALUE_BLOCK`] at a time, and each block strip by strip: a strip of
+/// output vectors stays in registers while the block's rows are added into it. Every
+/// output element still sums its rows in order.
 ///
 /// # Safety
-/// As [`Lanes`]. `out` must not be empty and `values.len() == weights.len() * out.len()`.
+/// As [`Lanes`]. `dim > 0`; `values.len()` and `out.len()` are multiples of `dim`;
+/// `stride ≥ values.len() / dim` and `weights` reaches the last row's last weight.
 #[inline(always)]
-pub(crate) unsafe fn add_weighted<V: Lanes<L>, const L: usize>(weights: &[f32], values: &[f16], out: &mut [f32]) {
-    let dim = out.len();
-    let rows = || weights.iter().copied().zip(values.chunks_exact(dim));
-    let (body, tail) = out.as_chunks_mut::<L>();
-    let (strips, narrow) = body.as_chunks_mut::<VALUE_COLUMNS>();
-    let mut col = 0;
-    for strip in strips {
-        // SAFETY: the caller's ISA guarantee is passed on.
-        unsafe { add_weighted_strip::<V, L, VALUE_COLUMNS>(rows(), col, strip) };
-        col += VALUE_COLUMNS * L;
+pub(crate) unsafe fn add_weighted<V: Lanes<L>, const L: usize>(
+    dim: usize,
+    weights: &[f32],
+    stride: usize,
+    values: &[f16],
+    out: &mut [f32],
+) {
+    let n = values.len() / dim;
+    if n == 0 {
+        return;
     }
-    for strip in narrow {
-        // SAFETY: as above.
-        unsafe { add_weighted_strip::<V, L, 1>(rows(), col, core::array::from_mut(strip)) };
-        col += L;
-    }
-    if !tail.is_empty() {
-        // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
-        unsafe {
-            let mut padded = pad(tail, 0.0);
-            let mut acc = V::load(&padded);
-            for (w, row) in rows() {
-                acc = V::load_f16(&pad(&row[col..], f16::ZERO)).mul_add(V::splat(w), acc);
-            }
-            acc.store(&mut padded);
-            tail.copy_from_slice(&padded[..tail.len()]);
+    let mut weights = weights.chunks(stride).map(|w| &w[..n]);
+    let mut outs = out.chunks_exact_mut(dim);
+    // SAFETY (all arms): the caller's ISA guarantee is passed on.
+    loop {
+        match outs.len() {
+            0 => break,
+            1 => unsafe { add_weighted_group::<V, L, 1, 4>(&mut weights, values, &mut outs) },
+            2 | 3 => unsafe { add_weighted_group::<V, L, 2, 4>(&mut weights, values, &mut outs) },
+            _ => unsafe { add_weighted_group::<V, L, 4, 2>(&mut weights, values, &mut outs) },
         }
     }
 }
 
-/// `strip += Σ w · row[col..col + C·L]` over `(w, row)` pairs.
+/// The weighted sums of the next `G` output rows, in strips of `C` vectors.
+///
+/// # Safety
+/// As [`Lanes`]; at least `G` weight rows and outputs are left.
+#[inline(always)]
+unsafe fn add_weighted_group<'a, V: Lanes<L>, const L: usize, const G: usize, const C: usize>(
+    weights: &mut impl Iterator<Item = &'a [f32]>,
+    values: &[f16],
+    outs: &mut impl Iterator<Item = &'a mut [f32]>,
+) {
+    let weights: [&[f32]; G] = core::array::from_fn(|_| weights.next().expect("weights per output"));
+    let mut outs: [&mut [f32]; G] = core::array::from_fn(|_| outs.next().expect("an output per weight row"));
+    let dim = outs[0].len();
+    let n = weights[0].len();
+    let (strips, narrow) = (dim / L / C, dim / L % C);
+    for first in (0..n).step_by(VALUE_BLOCK) {
+        let rows = first..n.min(first + VALUE_BLOCK);
+        let block = &values[rows.start * dim..rows.end * dim];
+        let block_weights = weights.map(|w| &w[rows.clone()]);
+        let mut col = 0;
+        for _ in 0..strips {
+            // SAFETY: the caller's ISA guarantee is passed on.
+            unsafe { add_weighted_strip::<V, L, G, C>(block_weights, block, col, &mut outs) };
+            col += C * L;
+        }
+        for _ in 0..narrow {
+            // SAFETY: as above.
+            unsafe { add_weighted_strip::<V, L, G, 1>(block_weights, block, col, &mut outs) };
+            col += L;
+        }
+        if col < dim {
+            // SAFETY: as above.
+            unsafe { add_weighted_tail::<V, L, G>(block_weights, block, col, &mut outs) };
+        }
+    }
+}
+
+/// `outs[h][col..col + C·L] += Σⱼ weights[h][j] · rows[j][col..col + C·L]`.
 ///
 /// # Safety
 /// As [`Lanes`].
 #[inline(always)]
-unsafe fn add_weighted_strip<'a, V: Lanes<L>, const L: usize, const C: usize>(
-    rows: impl Iterator<Item = (f32, &'a [f16])>,
+unsafe fn add_weighted_strip<V: Lanes<L>, const L: usize, const G: usize, const C: usize>(
+    weights: [&[f32]; G],
+    rows: &[f16],
     col: usize,
-    strip: &mut [[f32; L]; C],
+    outs: &mut [&mut [f32]; G],
 ) {
+    let dim = outs[0].len();
     // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
     unsafe {
-        let mut acc = [V::splat(0.0); C];
-        for (acc, o) in acc.iter_mut().zip(&*strip) {
-            *acc = V::load(o);
-        }
-        for (w, row) in rows {
-            let w = V::splat(w);
-            let (values, _) = row[col..][..C * L].as_chunks::<L>();
-            for (acc, v) in acc.iter_mut().zip(values) {
-                *acc = V::load_f16(v).mul_add(w, *acc);
+        let mut acc = [[V::splat(0.0); C]; G];
+        for (acc, out) in acc.iter_mut().zip(&*outs) {
+            let (strip, _) = out[col..][..C * L].as_chunks::<L>();
+            for (acc, o) in acc.iter_mut().zip(strip) {
+                *acc = V::load(o);
             }
         }
-        for (acc, o) in acc.into_iter().zip(strip) {
-            acc.store(o);
+        for (j, row) in rows.chunks_exact(dim).enumerate() {
+            let mut v = [V::splat(0.0); C];
+            let (strip, _) = row[col..][..C * L].as_chunks::<L>();
+            for (v, x) in v.iter_mut().zip(strip) {
+                *v = V::load_f16(x);
+            }
+            for (acc, w) in acc.iter_mut().zip(&weights) {
+                let w = V::splat(w[j]);
+                for (acc, v) in acc.iter_mut().zip(&v) {
+                    *acc = v.mul_add(w, *acc);
+                }
+            }
+        }
+        for (acc, out) in acc.into_iter().zip(outs.iter_mut()) {
+            let (strip, _) = out[col..][..C * L].as_chunks_mut::<L>();
+            for (acc, o) in acc.into_iter().zip(strip) {
+                acc.store(o);
+            }
+        }
+    }
+}
+
+/// [`add_weighted_strip`] for the last `dim − col < L` columns, through padded vectors.
+///
+/// # Safety
+/// As [`Lanes`].
+#[inline(always)]
+unsafe fn add_weighted_tail<V: Lanes<L>, const L: usize, const G: usize>(
+    weights: [&[f32]; G],
+    rows: &[f16],
+    col: usize,
+    outs: &mut [&mut [f32]; G],
+) {
+    let dim = outs[0].len();
+    // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
+    unsafe {
+        for (out, w) in outs.iter_mut().zip(&weights) {
+            let mut padded = pad(&out[col..], 0.0);
+            let mut acc = V::load(&padded);
+            for (row, &w) in rows.chunks_exact(dim).zip(*w) {
+                acc = V::load_f16(&pad(&row[col..], f16::ZERO)).mul_add(V::splat(w), acc);
+            }
+            acc.store(&mut padded);
+            out[col..].copy_from_slice(&padded[..dim - col]);
         }
     }
 }
@@ -331,9 +473,9 @@ pub(crate) mod portable {
     use super::*;
 
     /// Table entry: [`scores`](super::scores) (lengths checked by the caller).
-    pub(crate) fn scores(q: &[f32], keys: &[f16], out: &mut [f32]) {
+    pub(crate) fn scores(dim: usize, queries: &[f32], keys: &[f16], out: &mut [f32], stride: usize) {
         // SAFETY: `Portable` uses no ISA-specific instructions.
-        unsafe { super::scores::<Portable, 16>(q, keys, out) }
+        unsafe { super::scores::<Portable, 16>(dim, queries, keys, out, stride) }
     }
 
     /// Table entry: [`softmax_exp`](super::softmax_exp).
@@ -343,8 +485,8 @@ pub(crate) mod portable {
     }
 
     /// Table entry: [`add_weighted`](super::add_weighted) (lengths checked by the caller).
-    pub(crate) fn add_weighted(weights: &[f32], values: &[f16], out: &mut [f32]) {
+    pub(crate) fn add_weighted(dim: usize, weights: &[f32], stride: usize, values: &[f16], out: &mut [f32]) {
         // SAFETY: as above.
-        unsafe { super::add_weighted::<Portable, 16>(weights, values, out) }
+        unsafe { super::add_weighted::<Portable, 16>(dim, weights, stride, values, out) }
     }
 }

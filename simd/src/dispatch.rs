@@ -31,13 +31,12 @@ pub(crate) type DequantFn = unsafe fn(row: &[u8], out: &mut [f32]);
 /// Quantize one activation row; `out` has the matching byte length.
 pub(crate) type QuantFn = unsafe fn(x: &[f32], out: &mut [u8]);
 
-/// `out[j] = q · keys[j]` for `out.len()` key rows of `q.len()` (> 0) elements.
-pub(crate) type ScoresFn = unsafe fn(q: &[f32], keys: &[f16], out: &mut [f32]);
+/// `out[h · stride + j] = queries[h] · keys[j]` over rows of `dim` (> 0) elements.
+pub(crate) type ScoresFn = unsafe fn(dim: usize, queries: &[f32], keys: &[f16], out: &mut [f32], stride: usize);
 /// Each `x` becomes `exp(x − max)`; returns their sum.
 pub(crate) type SoftmaxExpFn = unsafe fn(x: &mut [f32], max: f32) -> f32;
-/// `out += Σⱼ weights[j] · values[j]` for `weights.len()` value rows of `out.len()` (> 0)
-/// elements.
-pub(crate) type AddWeightedFn = unsafe fn(weights: &[f32], values: &[f16], out: &mut [f32]);
+/// `out[h] += Σⱼ weights[h · stride + j] · values[j]` over rows of `dim` (> 0) elements.
+pub(crate) type AddWeightedFn = unsafe fn(dim: usize, weights: &[f32], stride: usize, values: &[f16], out: &mut [f32]);
 
 /// The attention kernels (see [`crate::attention`]).
 #[derive(Clone, Copy)]
@@ -447,29 +446,24 @@ impl Kernels {
     }
 }
 
-/// Attention over an f16 key/value cache, one query at a time: the scores against a run
-/// of key rows, the softmax's exponentials, and the weighted sum of a run of value
-/// rows. Sums are in f32; tables agree with each other to f32 rounding (they sum in
-/// different orders).
+/// Attention over an f16 key/value cache, for a group of queries at a time (the query
+/// heads that share a KV head, which then read each key and value once): the scores
+/// against a run of key rows, the softmax's exponentials, and the weighted sums of a run
+/// of value rows. Sums are in f32; tables agree with each other to f32 rounding (they
+/// sum in different orders), and a query's results do not depend on its group.
 impl Kernels {
-    /// `out[j] = q · keys[j]`, where `keys` holds `out.len()` rows of `q.len()` elements
-    /// laid end to end. The products are exact (an f16 times an f32 fits an f32 when
-    /// `q` holds f16 values), so the only rounding is the summation's.
+    /// `out[h · stride + j] = queries[h] · keys[j]`, where `queries` and `keys` hold rows
+    /// of `dim` elements laid end to end: row `h` of the scores starts at `h · stride`.
+    /// The products are exact (an f16 times an f32 fits an f32 when the queries hold f16
+    /// values), so the only rounding is the summation's.
     ///
     /// # Panics
-    /// If `q` is empty or `keys.len() != out.len() * q.len()`.
-    pub fn scores_f16(&self, q: &[f32], keys: &[f16], out: &mut [f32]) {
-        assert!(!q.is_empty(), "scores need a query of at least one element");
-        assert_eq!(
-            Some(keys.len()),
-            out.len().checked_mul(q.len()),
-            "{} keys of {} elements need {} halves",
-            out.len(),
-            q.len(),
-            out.len() * q.len()
-        );
+    /// If `dim` is 0, the lengths of `queries` or `keys` are not multiples of it, or
+    /// `stride` and `out` leave no room for a row of scores per query.
+    pub fn scores_f16(&self, dim: usize, queries: &[f32], keys: &[f16], out: &mut [f32], stride: usize) {
+        check_attention_rows(dim, queries.len(), keys.len(), out.len(), stride);
         // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
-        unsafe { (self.attention.scores)(q, keys, out) }
+        unsafe { (self.attention.scores)(dim, queries, keys, out, stride) }
     }
 
     /// Replaces each `x` by `exp(x − max)` and returns the sum of the results: the
@@ -483,25 +477,32 @@ impl Kernels {
         unsafe { (self.attention.softmax_exp)(x, max) }
     }
 
-    /// `out += Σⱼ weights[j] · values[j]`, where `values` holds `weights.len()` rows of
-    /// `out.len()` elements laid end to end. The products are exact when the weights
-    /// hold f16 values (attention rounds its probabilities so); the sums are f32.
+    /// `out[h] += Σⱼ weights[h · stride + j] · values[j]`, where `values` and `out` hold
+    /// rows of `dim` elements laid end to end: output row `h` takes its weights from
+    /// `h · stride` on. The products are exact when the weights hold f16 values
+    /// (attention rounds its probabilities so); the sums are f32, row after row.
     ///
     /// # Panics
-    /// If `out` is empty or `values.len() != weights.len() * out.len()`.
-    pub fn add_weighted_f16(&self, weights: &[f32], values: &[f16], out: &mut [f32]) {
-        assert!(!out.is_empty(), "weighted sums need an output of at least one element");
-        assert_eq!(
-            Some(values.len()),
-            weights.len().checked_mul(out.len()),
-            "{} values of {} elements need {} halves",
-            weights.len(),
-            out.len(),
-            weights.len() * out.len()
-        );
+    /// If `dim` is 0, the lengths of `out` or `values` are not multiples of it, or
+    /// `stride` and `weights` leave no room for a weight per value row and output row.
+    pub fn add_weighted_f16(&self, dim: usize, weights: &[f32], stride: usize, values: &[f16], out: &mut [f32]) {
+        check_attention_rows(dim, out.len(), values.len(), weights.len(), stride);
         // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
-        unsafe { (self.attention.add_weighted)(weights, values, out) }
+        unsafe { (self.attention.add_weighted)(dim, weights, stride, values, out) }
     }
+}
+
+/// Checks a group of `heads_len / dim` heads against `rows_len / dim` rows, with a
+/// matrix of `matrix_len` numbers in rows of `stride` (one per head).
+#[track_caller]
+fn check_attention_rows(dim: usize, heads_len: usize, rows_len: usize, matrix_len: usize, stride: usize) {
+    assert!(dim > 0, "attention rows need at least one element");
+    assert!(heads_len.is_multiple_of(dim), "{heads_len} numbers are not whole heads of {dim}");
+    assert!(rows_len.is_multiple_of(dim), "{rows_len} halves are not whole rows of {dim}");
+    let (heads, n) = (heads_len / dim, rows_len / dim);
+    assert!(stride >= n, "a stride of {stride} cannot hold {n} rows");
+    let need = if heads == 0 { 0 } else { (heads - 1) * stride + n };
+    assert!(matrix_len >= need, "{heads} heads of {n} rows in a stride of {stride} need {need} numbers");
 }
 
 impl core::fmt::Debug for Kernels {

@@ -22,38 +22,70 @@ fn close(got: f32, want: f64, mag: f64, rel: f64) -> bool {
     (got as f64 - want).abs() <= rel * mag + 1e-30
 }
 
-fn check_scores(dim: usize, n: usize, seed: u64) -> Result<(), TestCaseError> {
+/// `heads` queries against `n` keys, scores in rows of `n + gap`: every table within
+/// 1e-5 of f64, and each query's scores the same bits whether scored in the group or
+/// alone.
+fn check_scores(dim: usize, heads: usize, n: usize, gap: usize, seed: u64) -> Result<(), TestCaseError> {
     let mut rng = Rng::new(seed);
-    let q: Vec<f32> = random_f16s(dim, &mut rng).iter().map(|h| h.to_f32()).collect();
+    let queries: Vec<f32> = random_f16s(heads * dim, &mut rng).iter().map(|h| h.to_f32()).collect();
     let keys = random_f16s(n * dim, &mut rng);
+    let stride = n + gap;
     for k in all_tables() {
-        let mut out = vec![f32::NAN; n];
-        k.scores_f16(&q, &keys, &mut out);
-        for (j, (&got, key)) in out.iter().zip(keys.chunks_exact(dim)).enumerate() {
-            let terms = q.iter().zip(key).map(|(&a, b)| a as f64 * b.to_f64());
-            let (want, mag) = terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()));
-            prop_assert!(close(got, want, mag, 1e-5), "key {j} of {n}, dim {dim} on {}: {got} vs {want}", k.isa());
+        let mut out = vec![f32::NAN; heads * stride];
+        k.scores_f16(dim, &queries, &keys, &mut out, stride);
+        for (h, q) in queries.chunks_exact(dim).enumerate() {
+            let row = &out[h * stride..][..n];
+            for (j, (&got, key)) in row.iter().zip(keys.chunks_exact(dim)).enumerate() {
+                let terms = q.iter().zip(key).map(|(&a, b)| a as f64 * b.to_f64());
+                let (want, mag) = terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()));
+                prop_assert!(
+                    close(got, want, mag, 1e-5),
+                    "head {h} of {heads}, key {j} of {n}, dim {dim} on {}: {got} vs {want}",
+                    k.isa()
+                );
+            }
+            let mut alone = vec![0.0; n];
+            k.scores_f16(dim, q, &keys, &mut alone, n);
+            prop_assert!(bits(&alone) == bits(row), "head {h} of {heads} scored alone differs on {}", k.isa());
         }
     }
     Ok(())
 }
 
-fn check_add_weighted(dim: usize, n: usize, seed: u64) -> Result<(), TestCaseError> {
+/// `heads` output rows over `n` value rows, weights in rows of `n + gap`: as
+/// [`check_scores`].
+fn check_add_weighted(dim: usize, heads: usize, n: usize, gap: usize, seed: u64) -> Result<(), TestCaseError> {
     let mut rng = Rng::new(seed);
+    let stride = n + gap;
     // Probabilities, rounded to f16 as attention's are.
-    let weights: Vec<f32> = (0..n).map(|_| f16::from_f64(rng.unit()).to_f32()).collect();
+    let weights: Vec<f32> = (0..heads * stride).map(|_| f16::from_f64(rng.unit()).to_f32()).collect();
     let values = random_f16s(n * dim, &mut rng);
-    let start: Vec<f32> = (0..dim).map(|_| rng.normal() as f32).collect();
+    let start: Vec<f32> = (0..heads * dim).map(|_| rng.normal() as f32).collect();
     for k in all_tables() {
         let mut out = start.clone();
-        k.add_weighted_f16(&weights, &values, &mut out);
-        for (i, &got) in out.iter().enumerate() {
-            let terms = weights.iter().zip(values.chunks_exact(dim)).map(|(&w, v)| w as f64 * v[i].to_f64());
-            let (want, mag) = terms.fold((start[i] as f64, (start[i] as f64).abs()), |(s, m), t| (s + t, m + t.abs()));
-            prop_assert!(close(got, want, mag, 1e-5), "column {i} of {dim}, {n} rows on {}: {got} vs {want}", k.isa());
+        k.add_weighted_f16(dim, &weights, stride, &values, &mut out);
+        for h in 0..heads {
+            let (w, start, got) = (&weights[h * stride..][..n], &start[h * dim..][..dim], &out[h * dim..][..dim]);
+            for (i, &got) in got.iter().enumerate() {
+                let terms = w.iter().zip(values.chunks_exact(dim)).map(|(&w, v)| w as f64 * v[i].to_f64());
+                let first = (start[i] as f64, (start[i] as f64).abs());
+                let (want, mag) = terms.fold(first, |(s, m), t| (s + t, m + t.abs()));
+                prop_assert!(
+                    close(got, want, mag, 1e-5),
+                    "head {h} of {heads}, column {i} of {dim}, {n} rows on {}: {got} vs {want}",
+                    k.isa()
+                );
+            }
+            let mut alone = start.to_vec();
+            k.add_weighted_f16(dim, w, n, &values, &mut alone);
+            prop_assert!(bits(&alone) == bits(got), "head {h} of {heads} summed alone differs on {}", k.isa());
         }
     }
     Ok(())
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|x| x.to_bits()).collect()
 }
 
 fn check_softmax_exp(n: usize, seed: u64) -> Result<(), TestCaseError> {
@@ -79,13 +111,17 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
     #[test]
-    fn scores_match_f64(dim in 1usize..=300, n in 0usize..=13, seed in any::<u64>()) {
-        check_scores(dim, n, seed)?;
+    fn scores_match_f64(
+        dim in 1usize..=300, heads in 1usize..=8, n in 0usize..=13, gap in 0usize..=3, seed in any::<u64>()
+    ) {
+        check_scores(dim, heads, n, gap, seed)?;
     }
 
     #[test]
-    fn add_weighted_matches_f64(dim in 1usize..=300, n in 0usize..=13, seed in any::<u64>()) {
-        check_add_weighted(dim, n, seed)?;
+    fn add_weighted_matches_f64(
+        dim in 1usize..=300, heads in 1usize..=8, n in 0usize..=70, gap in 0usize..=3, seed in any::<u64>()
+    ) {
+        check_add_weighted(dim, heads, n, gap, seed)?;
     }
 
     #[test]
@@ -100,8 +136,10 @@ fn head_sizes_and_edges() {
     for dim in [1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 256] {
         for n in [1, 3, 4, 5, 8, 9] {
             let seed = (dim * 100 + n) as u64;
-            check_scores(dim, n, seed).unwrap();
-            check_add_weighted(dim, n, seed).unwrap();
+            for heads in [1, 2, 3, 4, 5, 7, 8] {
+                check_scores(dim, heads, n, heads % 3, seed).unwrap();
+                check_add_weighted(dim, heads, n, heads % 2, seed).unwrap();
+            }
         }
     }
 }

@@ -148,9 +148,9 @@ macro_rules! attention_entries {
             /// # Safety
             /// The CPU must support the features; lengths as `dispatch::ScoresFn`.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn scores(q: &[f32], keys: &[f16], out: &mut [f32]) {
+            pub(super) unsafe fn scores(dim: usize, queries: &[f32], keys: &[f16], out: &mut [f32], stride: usize) {
                 // SAFETY: this function enables the features.
-                unsafe { crate::attention::scores::<$V, $L>(q, keys, out) }
+                unsafe { crate::attention::scores::<$V, $L>(dim, queries, keys, out, stride) }
             }
 
             /// # Safety
@@ -164,9 +164,15 @@ macro_rules! attention_entries {
             /// # Safety
             /// The CPU must support the features; lengths as `dispatch::AddWeightedFn`.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn add_weighted(weights: &[f32], values: &[f16], out: &mut [f32]) {
+            pub(super) unsafe fn add_weighted(
+                dim: usize,
+                weights: &[f32],
+                stride: usize,
+                values: &[f16],
+                out: &mut [f32],
+            ) {
                 // SAFETY: this function enables the features.
-                unsafe { crate::attention::add_weighted::<$V, $L>(weights, values, out) }
+                unsafe { crate::attention::add_weighted::<$V, $L>(dim, weights, stride, values, out) }
             }
         }
     };
