@@ -2,6 +2,7 @@
 //! sample, stream and decode until an end-of-generation token, a stop string,
 //! the token limit, a full context, or a request to stop.
 
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -43,8 +44,25 @@ pub struct Generated {
     pub decode_steps: usize,
 }
 
+/// A token just sampled, and what it was sampled from, for an audit of the generation.
+#[derive(Debug, Clone, Copy)]
+pub struct Sampled<'a> {
+    /// 0 for the first token after the prompt.
+    pub step: usize,
+    /// The token's position in the context.
+    pub position: usize,
+    pub token: u32,
+    /// The text the token completes (before stop strings are cut); empty for an
+    /// end-of-generation token.
+    pub text: &'a str,
+    /// The model's logits, before any sampling step changed them.
+    pub logits: &'a [f32],
+}
+
 /// Appends `prompt` to the session and generates after it. `on_text` receives text as soon as it
-/// forms valid UTF-8 and cannot be the start of a stop string.
+/// forms valid UTF-8 and cannot be the start of a stop string. `on_token` sees every token sampled,
+/// an end-of-generation token included, before its text is passed on; `Break` stops the
+/// generation there (as `Interrupted`), that token's text unsent.
 pub fn generate(
     session: &mut Session,
     tokenizer: &Tokenizer,
@@ -52,6 +70,7 @@ pub fn generate(
     prompt: &[u32],
     limits: Limits,
     mut on_text: impl FnMut(&str),
+    mut on_token: impl FnMut(&Sampled) -> ControlFlow<()>,
 ) -> Result<Generated, EngineError> {
     let started = Instant::now();
     let mut logits = session.prefill(prompt)?.to_vec();
@@ -83,13 +102,21 @@ pub fn generate(
             break;
         }
         let token = sampler.sample(&logits);
-        if tokenizer.is_eog(token) {
+        let eog = tokenizer.is_eog(token);
+        let text = if eog { String::new() } else { stream.push(token) };
+        let sampled =
+            Sampled { step: out.tokens.len(), position: session.n_past(), token, text: &text, logits: &logits };
+        if on_token(&sampled).is_break() {
+            out.stop = StopReason::Interrupted;
+            return Ok(out);
+        }
+        if eog {
             out.stop = StopReason::EndOfGeneration;
             break;
         }
         sampler.accept(token);
         out.tokens.push(token);
-        match stops.push(&stream.push(token)) {
+        match stops.push(&text) {
             Scan::Go(text) => emit(&mut out, &text),
             Scan::Stop(text) => {
                 emit(&mut out, &text);

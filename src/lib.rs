@@ -5,9 +5,11 @@
 //! [`matmul`] for quantized products and [`attn`] for attention over the
 //! [`kv`] cache; [`engine`] drives prefill and decoding for a session;
 //! [`sample`] picks tokens; [`tokenizer`] maps text to ids and back; [`generate`]
-//! runs the loop of the two, and [`chat`] renders conversations for it.
+//! runs the loop of the two, and [`chat`] renders conversations for it;
+//! [`audit`] records a generation token by token.
 
 pub mod attn;
+pub mod audit;
 pub mod chat;
 pub mod engine;
 pub mod generate;

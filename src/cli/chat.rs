@@ -11,21 +11,23 @@
 //! followed by a newline.
 
 use std::io::{BufRead, IsTerminal, Write};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Context;
 use clap::Args;
 use rustyline::error::ReadlineError;
+use sift::audit::{AuditError, AuditHeader, AuditLog, AuditSummary, ReplySummary};
 use sift::chat::{self, ChatTemplate, Message, Origin};
 use sift::engine::{EngineError, Session, DEFAULT_BATCH};
-use sift::generate::{generate, Generated, Limits, StopReason};
+use sift::generate::{generate, Generated, Limits, Sampled, StopReason};
 use sift::kv::Storage;
 use sift::model::Model;
 use sift::sample::{Sampler, SamplingParams};
 use sift::tokenizer::Tokenizer;
 
-use super::run::GenerationArgs;
+use super::run::{audit_token, GenerationArgs};
 use super::{context_size, InputError, ModelArgs, Usage};
 
 #[derive(Args)]
@@ -63,11 +65,18 @@ const HELP: &str = "\
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
+    // First, so that an audit that cannot be written costs no model load.
+    let mut audit = args.generation.audit_out.as_deref().map(AuditLog::create).transpose()?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
+    let sampling = args.generation.sampling();
+    if let Some(audit) = &mut audit {
+        let kv_cache = args.generation.cache.kv_cache;
+        audit.header(&AuditHeader::new(file.path(), model.hp.arch.gguf_name(), kv_cache, n_ctx, &sampling, None))?;
+    }
     if !args.quiet {
         eprintln!(
             "sift: {} ({}), context {n_ctx}, {} threads",
@@ -77,24 +86,25 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         );
         announce_template(&template);
     }
+    let storage = args.generation.cache.storage();
     let mut chat = Chat {
-        conversation: Conversation::new(
-            &model,
-            &tokenizer,
-            template,
-            n_ctx,
-            args.generation.cache.storage(),
-            args.generation.sampling(),
-        ),
+        conversation: Conversation::new(&model, &tokenizer, template, n_ctx, storage, sampling),
         max_tokens: args.n_predict,
         quiet: args.quiet,
+        audit,
+        turns: 0,
+        tokens: 0,
     };
     chat.conversation.set_system(args.system);
     if std::io::stdin().is_terminal() {
-        chat.interactive()
+        chat.interactive()?;
     } else {
-        chat.piped()
+        chat.piped()?;
     }
+    if let Some(audit) = chat.audit.take() {
+        audit.finish(&AuditSummary { tokens: chat.tokens, stop: None, turns: Some(chat.turns) })?;
+    }
+    Ok(())
 }
 
 /// Says on stderr which template is in use when it is not the model's own.
@@ -151,27 +161,41 @@ impl<'a> Conversation<'a> {
         }
     }
 
-    /// Adds the user's message and generates the reply, streaming it to `on_text`.
-    fn reply(&mut self, text: &str, limits: Limits, on_text: impl FnMut(&str)) -> anyhow::Result<StopReason> {
+    /// Adds the user's message and generates the reply, streaming it to `on_text` and showing
+    /// every token sampled to `on_token`.
+    fn reply(
+        &mut self,
+        text: &str,
+        limits: Limits,
+        on_text: impl FnMut(&str),
+        on_token: impl FnMut(&Sampled) -> ControlFlow<()>,
+    ) -> anyhow::Result<Generated> {
         self.messages.push(Message::user(text));
-        let stop = self.generate_reply(limits, on_text);
-        if stop.is_err() {
+        let generated = self.generate_reply(limits, on_text, on_token);
+        if generated.is_err() {
             self.messages.pop();
         }
-        stop
+        generated
     }
 
-    fn generate_reply(&mut self, limits: Limits, on_text: impl FnMut(&str)) -> anyhow::Result<StopReason> {
+    fn generate_reply(
+        &mut self,
+        limits: Limits,
+        on_text: impl FnMut(&str),
+        on_token: impl FnMut(&Sampled) -> ControlFlow<()>,
+    ) -> anyhow::Result<Generated> {
         let ids = chat::encode(self.tokenizer, &self.template.render(&self.messages, true)?)?;
         let start = self.reuse_cache(&ids)?;
-        let generated = generate(&mut self.session, self.tokenizer, &mut self.sampler, &ids[start..], limits, on_text)?;
+        let prompt = &ids[start..];
+        let generated =
+            generate(&mut self.session, self.tokenizer, &mut self.sampler, prompt, limits, on_text, on_token)?;
         self.cached = ids;
         self.cached.extend(&generated.tokens);
         // The last token sampled is decoded only if generation goes on.
         self.cached.truncate(self.session.n_past());
         self.messages.push(Message::assistant(&generated.text));
         self.stats.prefilled.push(generated.prompt_tokens);
-        Ok(self.stats.last_reply.insert(generated).stop)
+        Ok(self.stats.last_reply.insert(generated).clone())
     }
 
     /// How many of `ids`, the rendered conversation, the cache already holds. A cache that holds
@@ -264,6 +288,10 @@ struct Chat<'a> {
     conversation: Conversation<'a>,
     max_tokens: usize,
     quiet: bool,
+    audit: Option<AuditLog>,
+    /// Replies generated, and their tokens, for the audit.
+    turns: usize,
+    tokens: usize,
 }
 
 enum Flow {
@@ -295,6 +323,8 @@ impl Chat<'_> {
             match self.handle(line) {
                 Ok(Flow::Continue) => {}
                 Ok(Flow::Exit) => return Ok(()),
+                // The session cannot go on with a gap in its audit.
+                Err(e) if e.is::<AuditError>() => return Err(e),
                 Err(e) => eprintln!("sift: {e:#}"),
             }
         }
@@ -377,11 +407,31 @@ impl Chat<'_> {
         let limits = Limits { max_tokens: self.max_tokens, stop: &[], interrupt: Some(&INTERRUPTED) };
         let mut stdout = std::io::stdout().lock();
         // A closed pipe (`| head`) is not an error worth reporting.
-        let stop = self.conversation.reply(text, limits, |piece| {
+        let on_text = |piece: &str| {
             let _ = stdout.write_all(piece.as_bytes()).and_then(|_| stdout.flush());
-        })?;
+        };
+        let turn = self.turns + 1;
+        let mut audit_failure = None;
+        let tokenizer = self.conversation.tokenizer;
+        let on_token =
+            |sampled: &Sampled| audit_token(self.audit.as_mut(), &mut audit_failure, sampled, tokenizer, Some(turn));
+        let generated = self.conversation.reply(text, limits, on_text, on_token)?;
+        if let Some(e) = audit_failure {
+            return Err(e.into());
+        }
+        self.turns = turn;
+        self.tokens += generated.tokens.len();
+        if let Some(audit) = &mut self.audit {
+            let stop = generated.stop;
+            audit.reply(&ReplySummary {
+                turn,
+                prompt_tokens: generated.prompt_tokens,
+                tokens: generated.tokens.len(),
+                stop,
+            })?;
+        }
         let _ = writeln!(stdout).and_then(|_| stdout.flush());
-        match stop {
+        match generated.stop {
             StopReason::Interrupted => eprintln!("sift: reply interrupted"),
             StopReason::ContextFull => {
                 let n_ctx = self.conversation.session.n_ctx();

@@ -1,13 +1,15 @@
 //! `sift run`: one prompt in, its continuation out.
 
 use std::io::Write;
+use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use clap::builder::NonEmptyStringValueParser;
 use clap::Args;
+use sift::audit::{AuditError, AuditHeader, AuditLog, AuditRecord, AuditSummary, Certificate};
 use sift::chat::{self, ChatTemplate, Message};
 use sift::engine::{EngineError, Session, DEFAULT_BATCH};
-use sift::generate::{generate, Limits};
+use sift::generate::{generate, Limits, Sampled};
 use sift::model::Model;
 use sift::sample::{Sampler, SamplingParams};
 use sift::tokenizer::Tokenizer;
@@ -47,7 +49,7 @@ pub struct RunArgs {
     generation: GenerationArgs,
 }
 
-/// Context size and sampling, shared with `chat`.
+/// Context size, sampling and the audit, shared with `chat`.
 #[derive(Args)]
 pub struct GenerationArgs {
     /// Context size in tokens [default: 4096, or the model's if smaller]
@@ -73,6 +75,11 @@ pub struct GenerationArgs {
     seed: Option<u64>,
     #[command(flatten)]
     pub cache: CacheArgs,
+    /// Write an audit of the generation to FILE, as JSON Lines: a header (model, cache,
+    /// attention, context, sampling), per token its log-probability, the 5 most likely tokens and
+    /// the attention's error bound, and a summary. A regular FILE appears only once complete
+    #[arg(long, value_name = "FILE")]
+    pub audit_out: Option<PathBuf>,
 }
 
 impl GenerationArgs {
@@ -93,6 +100,8 @@ impl GenerationArgs {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    // First, so that an audit that cannot be written costs no model load or generation.
+    let mut audit = args.generation.audit_out.as_deref().map(AuditLog::create).transpose()?;
     let prompt = read_prompt(args.prompt.as_deref())?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
@@ -116,6 +125,11 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let sampling = args.generation.sampling();
     let seed = sampling.seed;
+    if let Some(audit) = &mut audit {
+        let kv_cache = args.generation.cache.kv_cache;
+        let arch = model.hp.arch.gguf_name();
+        audit.header(&AuditHeader::new(file.path(), arch, kv_cache, n_ctx, &sampling, Some(prompt_ids.len())))?;
+    }
     let mut sampler = Sampler::new(sampling);
     let mut session = Session::with_cache(&model, n_ctx, DEFAULT_BATCH, args.generation.cache.storage());
     if !args.quiet {
@@ -133,12 +147,21 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let mut stdout = std::io::stdout().lock();
     let limits = Limits { max_tokens: args.n_predict, stop: &args.stop, interrupt: None };
-    let generated = generate(&mut session, &tokenizer, &mut sampler, &prompt_ids, limits, |text| {
+    let mut audit_failure = None;
+    let on_text = |text: &str| {
         if !args.json {
             // A closed pipe (`| head`) is not an error worth reporting.
             let _ = stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush());
         }
-    })?;
+    };
+    let on_token = |sampled: &Sampled| audit_token(audit.as_mut(), &mut audit_failure, sampled, &tokenizer, None);
+    let generated = generate(&mut session, &tokenizer, &mut sampler, &prompt_ids, limits, on_text, on_token)?;
+    if let Some(e) = audit_failure {
+        return Err(e.into());
+    }
+    if let Some(audit) = audit {
+        audit.finish(&AuditSummary { tokens: generated.tokens.len(), stop: Some(generated.stop), turns: None })?;
+    }
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     let per_s = |n: usize, d: std::time::Duration| if d.is_zero() { 0.0 } else { n as f64 / d.as_secs_f64() };
     let prefill_tok_s = per_s(generated.prompt_tokens, generated.prefill_time);
@@ -172,4 +195,26 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Writes a token's audit line, if an audit is being written. The first failure is kept in
+/// `failure` and stops the generation: an audit with a gap is worth nothing.
+pub fn audit_token(
+    audit: Option<&mut AuditLog>,
+    failure: &mut Option<AuditError>,
+    sampled: &Sampled,
+    tokenizer: &Tokenizer,
+    turn: Option<usize>,
+) -> ControlFlow<()> {
+    let Some(audit) = audit else {
+        return ControlFlow::Continue(());
+    };
+    // Attention is dense today, so exact.
+    match audit.token(&AuditRecord::new(sampled, tokenizer, turn, Certificate::DENSE)) {
+        Ok(()) => ControlFlow::Continue(()),
+        Err(e) => {
+            *failure = Some(e);
+            ControlFlow::Break(())
+        }
+    }
 }
