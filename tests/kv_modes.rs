@@ -316,18 +316,24 @@ fn check_dense_attention(n_kv_head: usize, n_gqa: usize, batch: usize, len: usiz
 #[test]
 fn sliding_windows_keep_what_the_window_sees() {
     let shape = shape(1, 32, 32);
-    let (window, batch, len) = (100, 8, 1504);
-    let tokens = Tokens::new(3, len, &shape);
+    // Small batches over many windows, and Gemma 3's window and batch.
+    for (window, batch, len) in [(100, 8, 1504), (512, 512, 2048)] {
+        check_sliding_window(&shape, window, batch, len);
+    }
+}
+
+fn check_sliding_window(shape: &CacheShape, window: usize, batch: usize, len: usize) {
+    let tokens = Tokens::new(3, len, shape);
     for mode in KvMode::ALL {
-        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, Some(window), 4096, batch);
+        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, shape, Some(window), 4096, batch);
         for pos0 in (0..len).step_by(batch) {
             for pos in pos0..pos0 + batch {
                 layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
             }
             let end = pos0 + batch;
-            check_rows(&layer, &tokens, &shape, 0, layer.visible(pos0).start..end, end);
+            check_rows(&layer, &tokens, shape, 0, layer.visible(pos0).start..end, end);
         }
-        check_attention(&layer, &tokens, &shape, len, 4);
+        check_attention(&layer, &tokens, shape, len, 4);
     }
 }
 
