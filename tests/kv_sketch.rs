@@ -17,7 +17,7 @@ mod common;
 
 use half::f16;
 use proptest::prelude::*;
-use sift::kv::quant::Bits;
+use sift::kv::quant::{Bits, ValueRows};
 use sift::kv::{Bounds, KeySketch, PageKeys, ScanQuery, PAGE};
 
 const KINDS: [PageKeys; 4] =
@@ -204,4 +204,37 @@ fn sketch_sizes() {
     assert_eq!(size(PageKeys::Coded(Bits::Eight)), 128 * 4 + PAGE * 64 * 2);
     assert_eq!(size(PageKeys::Coded(Bits::Four)), 128 * 4 + PAGE * 64);
     assert_eq!(size(PageKeys::Coded(Bits::Two)), 128 * 4 + PAGE * 32);
+}
+
+/// Attention reads coded pages a stretch of rows at a time; those rows are
+/// the same numbers, bit for bit, as the one-at-a-time reads the bounds and
+/// the tolerances above are proven for.
+#[test]
+fn stretches_read_as_single_rows() {
+    let mut rng = Rng(7);
+    for bits in [Bits::Two, Bits::Four, Bits::Eight] {
+        for dim in [1, 31, 32, 33, 64, 80, 256] {
+            for shape in SHAPES {
+                let keys = keys(&mut rng, dim, shape);
+                let sketch = KeySketch::build(&keys, dim, PageKeys::Coded(bits));
+                let mut values = ValueRows::new(PAGE, dim, bits);
+                for (t, row) in keys.chunks_exact(dim).enumerate() {
+                    values.store(t, row);
+                }
+                for rows in [0..PAGE, 5..6, 17..40] {
+                    let (mut keys_out, mut values_out) = (vec![0.0; rows.len() * dim], vec![0.0; rows.len() * dim]);
+                    sketch.dequantize_keys(rows.clone(), &mut keys_out);
+                    values.dequantize_rows(rows.clone(), &mut values_out);
+                    for (i, (key, value)) in rows.zip(keys_out.chunks(dim).zip(values_out.chunks(dim))) {
+                        let (mut one_key, mut one_value) = (vec![0.0; dim], vec![0.0; dim]);
+                        sketch.dequantize_key(i, &mut one_key);
+                        values.dequantize(i, &mut one_value);
+                        let bits_of = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits_of(key), bits_of(&one_key), "{bits:?} key {i}, dim {dim}, {shape:?}");
+                        assert_eq!(bits_of(value), bits_of(&one_value), "{bits:?} value {i}, dim {dim}, {shape:?}");
+                    }
+                }
+            }
+        }
+    }
 }

@@ -119,10 +119,19 @@ fn f16_up(x: f64) -> f16 {
     }
 }
 
-/// Every code's level as an offset from the minimum, in steps (the table
-/// of [`Bits::offset`] over all codes of width `bits`).
-pub fn offsets(bits: Bits) -> [f32; 256] {
-    std::array::from_fn(|code| bits.offset(code as u8) as f32)
+/// Numbers dequantized together: a value group, or a stretch of key
+/// channels. Their minima, steps and codes fit on the stack.
+pub const DEQUANT_CHUNK: usize = 32;
+
+/// `out[j] = min[j] + step[j]·o(codes[j])`, `o` the levels' offsets at width
+/// `bits`: the product is exact in f32 (11 by 9 significant bits) and the sum
+/// rounds once, as in [`Affine::level`]. Written for the vectorizer.
+pub fn levels(min: &[f32], step: &[f32], codes: &[u8], bits: Bits, out: &mut [f32]) {
+    let span = bits.span() as f32;
+    let half = (span - 1.0) / 2.0;
+    for (((o, &m), &s), &code) in out.iter_mut().zip(min).zip(step).zip(codes) {
+        *o = m + s * (f32::from(code) * span + half);
+    }
 }
 
 /// Unpacks a packed row's codes, one a byte, into `out` (as many as it holds).
@@ -199,20 +208,19 @@ impl ValueRows {
     }
 
     /// Rows `rows`, dequantized one after another into `out` (as
-    /// [`Self::dequantize`] does one, but unpacking whole rows and looking
-    /// levels up in a table).
+    /// [`Self::dequantize`] does one, a group at a time through [`levels`]).
     pub fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
+        const { assert!(VALUE_GROUP == DEQUANT_CHUNK) };
         let (n_groups, len) = (self.dim.div_ceil(VALUE_GROUP), packed_len(self.dim, self.bits));
-        let offsets = offsets(self.bits);
-        let mut codes = vec![0u8; self.dim];
+        let group_len = packed_len(VALUE_GROUP, self.bits);
         for (row, out) in rows.zip(out.chunks_exact_mut(self.dim)) {
-            unpack_row(&self.codes[row * len..][..len], self.bits, &mut codes);
+            let codes = self.codes[row * len..][..len].chunks(group_len);
             let groups = &self.groups[row * n_groups..][..n_groups];
-            for ((out, codes), affine) in out.chunks_mut(VALUE_GROUP).zip(codes.chunks(VALUE_GROUP)).zip(groups) {
-                let (min, step) = (affine.min.to_f32(), affine.step.to_f32());
-                for (o, &code) in out.iter_mut().zip(codes) {
-                    *o = min + step * offsets[code as usize];
-                }
+            for ((out, packed), affine) in out.chunks_mut(VALUE_GROUP).zip(codes).zip(groups) {
+                let mut codes = [0u8; VALUE_GROUP];
+                unpack_row(packed, self.bits, &mut codes[..out.len()]);
+                let (min, step) = ([affine.min.to_f32(); VALUE_GROUP], [affine.step.to_f32(); VALUE_GROUP]);
+                levels(&min, &step, &codes, self.bits, out);
             }
         }
     }

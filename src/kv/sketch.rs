@@ -45,7 +45,7 @@ use half::f16;
 
 use std::ops::Range;
 
-use super::quant::{offsets, pack, packed_len, unpack, unpack_row, Affine, Bits};
+use super::quant::{levels, pack, packed_len, unpack, unpack_row, Affine, Bits, DEQUANT_CHUNK};
 
 /// Tokens per page.
 pub const PAGE: usize = 64;
@@ -170,25 +170,29 @@ impl KeySketch {
     }
 
     /// Keys `rows` at all the kept bits, one after another into `out` (as
-    /// [`Self::dequantize_key`] does one, but unpacking whole rows and
-    /// looking levels up in a table).
+    /// [`Self::dequantize_key`] does one, but [`DEQUANT_CHUNK`] channels at a
+    /// time through [`levels`]).
     pub fn dequantize_keys(&self, rows: Range<usize>, out: &mut [f32]) {
         let (kept, scanned, dim) = (self.keys.kept(), self.keys.scanned(), self.dim);
-        let offsets = offsets(kept);
-        let min: Vec<f32> = self.channels.iter().map(|a| a.min.to_f32()).collect();
-        let step: Vec<f32> = self.channels.iter().map(|a| a.step.to_f32()).collect();
         let (coarse_len, fine_len) = (packed_len(dim, scanned), packed_len(dim, Bits::Four));
-        let (mut codes, mut fine) = (vec![0u8; dim], vec![0u8; dim]);
-        for (i, out) in rows.zip(out.chunks_exact_mut(dim)) {
-            unpack_row(&self.coarse[i * coarse_len..][..coarse_len], scanned, &mut codes);
-            if kept != scanned {
-                unpack_row(&self.fine[i * fine_len..][..fine_len], Bits::Four, &mut fine);
-                for (code, &low) in codes.iter_mut().zip(&fine) {
-                    *code = *code << 4 | low;
-                }
+        for (first, channels) in (0..dim).step_by(DEQUANT_CHUNK).zip(self.channels.chunks(DEQUANT_CHUNK)) {
+            let n = channels.len();
+            let (mut min, mut step) = ([0.0; DEQUANT_CHUNK], [0.0; DEQUANT_CHUNK]);
+            for ((m, s), affine) in min.iter_mut().zip(&mut step).zip(channels) {
+                (*m, *s) = (affine.min.to_f32(), affine.step.to_f32());
             }
-            for (c, o) in out.iter_mut().enumerate() {
-                *o = min[c] + step[c] * offsets[codes[c] as usize];
+            for (i, out) in rows.clone().zip(out.chunks_exact_mut(dim)) {
+                let mut codes = [0u8; DEQUANT_CHUNK];
+                let coarse = &self.coarse[i * coarse_len + packed_len(first, scanned)..];
+                unpack_row(coarse, scanned, &mut codes[..n]);
+                if kept != scanned {
+                    let mut fine = [0u8; DEQUANT_CHUNK];
+                    unpack_row(&self.fine[i * fine_len + packed_len(first, Bits::Four)..], Bits::Four, &mut fine[..n]);
+                    for (code, low) in codes.iter_mut().zip(fine) {
+                        *code = *code << 4 | low;
+                    }
+                }
+                levels(&min[..n], &step[..n], &codes, kept, &mut out[first..first + n]);
             }
         }
     }
