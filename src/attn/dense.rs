@@ -8,10 +8,10 @@
 //! they weight the f16 values. Sums are in f32.
 //!
 //! The loops over keys and values are `simd`'s attention kernels; this module
-//! walks the cache and shares the (token, head) pairs among the threads.
-//! Exact rows go to the kernels where they lie; the rows of a coded page
-//! (the quantized cache modes) are first dequantized, page by page, into the
-//! thread's scratch and rounded to f16, as the kernels read them. Splitting a
+//! walks the cache and shares the work among the threads. Exact rows go to
+//! the kernels where they lie; the coded pages a batch reads (the quantized
+//! cache modes) are first dequantized once for the whole batch, in parallel,
+//! and rounded to f16, as the kernels read them ([`Staged`]). Splitting a
 //! head's rows into stretches changes no result: every score is its own sum,
 //! and the weighted values accumulate row after row into the output.
 //!
@@ -63,16 +63,25 @@ struct GroupScratch {
     sums: Vec<f32>,
 }
 
-/// The buffers of the thread that reads a piece: rows of a coded page,
-/// dequantized, then rounded to f16 as the kernels read them.
+/// The coded pages a batch reads, dequantized once for all its groups and
+/// rounded to f16: `[kv head][page][token][dim]` over whole pages from
+/// `first_page`, of which the rows at `positions` are filled.
 #[derive(Default)]
-struct Decoded {
-    numbers: Vec<f32>,
-    halves: Vec<f16>,
+struct Staged {
+    keys: Vec<f16>,
+    values: Vec<f16>,
+    first_page: usize,
+    pages: usize,
+    positions: Range<usize>,
 }
+
+/// A thread's buffer for one coded page, dequantized.
+#[derive(Default)]
+struct Decoded(Vec<f32>);
 
 thread_local! {
     static GROUP: RefCell<GroupScratch> = RefCell::default();
+    static STAGED: RefCell<Staged> = RefCell::default();
     static DECODED: RefCell<Decoded> = RefCell::default();
 }
 
@@ -87,30 +96,85 @@ pub fn attend(batch: &AttentionBatch, cache: &PagedLayer, out: &mut [f32]) {
     let kernels = simd::kernels();
     let own = BatchRows::new(batch);
     let n_kv_head = batch.n_head / batch.n_gqa;
-    let group = |i: usize| {
-        let t = i / n_kv_head;
-        Group {
-            batch,
-            cache,
-            own: &own,
-            kv_head: i % n_kv_head,
-            queries: &batch.queries[i * batch.n_gqa * batch.head_dim_k..][..batch.n_gqa * batch.head_dim_k],
-            visible: cache.visible(batch.pos0 + t),
-            token: t,
+    // The batch's first token sees the earliest positions of any.
+    let (coded, first) = (cache.coded(), cache.visible(batch.pos0).start);
+    let start = coded.start.max(first);
+    let staged_positions = start..coded.end.min(batch.pos0).max(start);
+    STAGED.with_borrow_mut(|staged| {
+        staged.fill(cache, batch, staged_positions);
+        let staged = &*staged;
+        let group = |i: usize| {
+            let t = i / n_kv_head;
+            Group {
+                batch,
+                cache,
+                staged,
+                own: &own,
+                kv_head: i % n_kv_head,
+                queries: &batch.queries[i * batch.n_gqa * batch.head_dim_k..][..batch.n_gqa * batch.head_dim_k],
+                visible: cache.visible(batch.pos0 + t),
+            }
+        };
+        let group_len = batch.n_gqa * batch.head_dim_v;
+        let n_groups = out.len() / group_len;
+        let threads = rayon::current_num_threads();
+        let longest = cache.visible(batch.pos0 + own.n_tokens - 1).len();
+        if n_groups < threads && longest >= SPLIT_MIN {
+            for (i, out) in out.chunks_mut(group_len).enumerate() {
+                GROUP.with_borrow_mut(|scratch| group(i).attend(kernels, scratch, out, 2 * threads));
+            }
+        } else {
+            out.par_chunks_mut(group_len).enumerate().for_each(|(i, out)| {
+                GROUP.with_borrow_mut(|scratch| group(i).attend(kernels, scratch, out, 1));
+            });
         }
-    };
-    let group_len = batch.n_gqa * batch.head_dim_v;
-    let n_groups = out.len() / group_len;
-    let threads = rayon::current_num_threads();
-    let longest = cache.visible(batch.pos0 + own.n_tokens - 1).len();
-    if n_groups < threads && longest >= SPLIT_MIN {
-        for (i, out) in out.chunks_mut(group_len).enumerate() {
-            GROUP.with_borrow_mut(|scratch| group(i).attend(kernels, scratch, out, 2 * threads));
-        }
-    } else {
-        out.par_chunks_mut(group_len).enumerate().for_each(|(i, out)| {
-            GROUP.with_borrow_mut(|scratch| group(i).attend(kernels, scratch, out, 1));
+    });
+}
+
+impl Staged {
+    /// Dequantizes the rows at `positions` (all coded) of every KV head, a
+    /// page per task.
+    fn fill(&mut self, cache: &PagedLayer, batch: &AttentionBatch, positions: Range<usize>) {
+        let (dim_k, dim_v) = (batch.head_dim_k, batch.head_dim_v);
+        let n_kv_head = batch.n_head / batch.n_gqa;
+        self.first_page = positions.start / PAGE;
+        self.pages = if positions.is_empty() { 0 } else { positions.end.div_ceil(PAGE) - self.first_page };
+        self.positions = positions.clone();
+        let rows = n_kv_head * self.pages * PAGE;
+        self.keys.resize(rows * dim_k, f16::ZERO);
+        self.values.resize(rows * dim_v, f16::ZERO);
+        let (first_page, pages) = (self.first_page, self.pages);
+        let keys = self.keys.par_chunks_mut(PAGE * dim_k);
+        keys.zip(self.values.par_chunks_mut(PAGE * dim_v)).enumerate().for_each(|(i, (keys, values))| {
+            let (head, page) = (i / pages, first_page + i % pages);
+            let rows =
+                positions.start.max(page * PAGE) - page * PAGE..positions.end.min(page * PAGE + PAGE) - page * PAGE;
+            let sketch = cache.sketch(head, page).expect("staged pages are coded");
+            let coded = cache.coded_values(head, page).expect("staged pages are coded");
+            DECODED.with_borrow_mut(|Decoded(numbers)| {
+                let (keys, values) = (
+                    &mut keys[rows.start * dim_k..rows.end * dim_k],
+                    &mut values[rows.start * dim_v..rows.end * dim_v],
+                );
+                numbers.resize(keys.len().max(values.len()), 0.0);
+                sketch.dequantize_keys(rows.clone(), &mut numbers[..keys.len()]);
+                keys.convert_from_f32_slice(&numbers[..keys.len()]);
+                coded.dequantize_rows(rows, &mut numbers[..values.len()]);
+                values.convert_from_f32_slice(&numbers[..values.len()]);
+            });
         });
+    }
+
+    /// The staged rows of `head` at `positions` (within those staged), as
+    /// `(keys, values)`.
+    fn rows(&self, head: usize, positions: Range<usize>, dim_k: usize, dim_v: usize) -> (&[f16], &[f16]) {
+        if positions.is_empty() {
+            return (&[], &[]);
+        }
+        debug_assert!(self.positions.start <= positions.start && positions.end <= self.positions.end);
+        let row = |pos: usize| head * self.pages * PAGE + pos - self.first_page * PAGE;
+        let rows = row(positions.start)..row(positions.end);
+        (&self.keys[rows.start * dim_k..rows.end * dim_k], &self.values[rows.start * dim_v..rows.end * dim_v])
     }
 }
 
@@ -161,13 +225,12 @@ impl BatchRows {
 struct Group<'a> {
     batch: &'a AttentionBatch<'a>,
     cache: &'a PagedLayer,
+    staged: &'a Staged,
     own: &'a BatchRows,
     kv_head: usize,
     /// `n_gqa` rows of `head_dim_k`.
     queries: &'a [f32],
     visible: Range<usize>,
-    /// Index in the batch.
-    token: usize,
 }
 
 impl<'a> Group<'a> {
@@ -193,7 +256,7 @@ impl<'a> Group<'a> {
         // Each piece's scores lie together: `[head][position in the piece]`.
         s.scores.resize(heads * n, 0.0);
         s.scores.par_chunks_mut(heads * piece_len).enumerate().for_each(|(p, scores)| {
-            DECODED.with_borrow_mut(|d| self.score(kernels, queries, piece(p), scores, d));
+            self.score(kernels, queries, piece(p), scores);
         });
         self.softmax(kernels, s, piece_len);
 
@@ -202,7 +265,7 @@ impl<'a> Group<'a> {
         let probs = &s.scores[..];
         s.sums.par_chunks_mut(heads * dim_v).enumerate().for_each(|(p, sums)| {
             let probs = &probs[p * heads * piece_len..][..heads * piece(p).len()];
-            DECODED.with_borrow_mut(|d| self.weigh(kernels, probs, piece(p), sums, d));
+            self.weigh(kernels, probs, piece(p), sums);
         });
         let mut sums = s.sums.chunks_exact(heads * dim_v);
         out.copy_from_slice(sums.next().expect("at least one piece"));
@@ -212,16 +275,10 @@ impl<'a> Group<'a> {
     }
 
     /// `scores[h][j] = scale · q_h·k_j` for the keys at `positions`.
-    fn score(&self, kernels: &Kernels, queries: &[f32], positions: Range<usize>, scores: &mut [f32], d: &mut Decoded) {
+    fn score(&self, kernels: &Kernels, queries: &[f32], positions: Range<usize>, scores: &mut [f32]) {
         let (dim, n) = (self.batch.head_dim_k, positions.len());
-        let (cached, own) = self.split(positions);
-        let own = self.own.head(self.kv_head, own).0;
         let mut col = 0;
-        for rows in self.cache.key_rows(self.kv_head, cached).chain([Rows::Exact(own)]) {
-            let keys = match rows {
-                Rows::Exact(keys) => keys,
-                Rows::Coded(sketch, rows) => d.decode(rows.len() * dim, |out| sketch.dequantize_keys(rows, out)),
-            };
+        for keys in self.runs(positions, |p| p.0, PagedLayer::key_rows) {
             kernels.scores_f16(dim, queries, keys, &mut scores[col..], n);
             col += keys.len() / dim;
         }
@@ -243,31 +300,40 @@ impl<'a> Group<'a> {
     }
 
     /// `sums[h] = Σ_j probs[h][j] · v_j` over the values at `positions`.
-    fn weigh(&self, kernels: &Kernels, probs: &[f32], positions: Range<usize>, sums: &mut [f32], d: &mut Decoded) {
+    fn weigh(&self, kernels: &Kernels, probs: &[f32], positions: Range<usize>, sums: &mut [f32]) {
         let (dim, n) = (self.batch.head_dim_v, positions.len());
-        let (cached, own) = self.split(positions);
-        let own = self.own.head(self.kv_head, own).1;
         sums.fill(0.0);
         let mut col = 0;
-        for rows in self.cache.value_rows(self.kv_head, cached).chain([Rows::Exact(own)]) {
-            let values = match rows {
-                Rows::Exact(values) => values,
-                Rows::Coded(coded, rows) => d.decode(rows.len() * dim, |out| coded.dequantize_rows(rows, out)),
-            };
+        for values in self.runs(positions, |p| p.1, PagedLayer::value_rows) {
             kernels.add_weighted_f16(dim, &probs[col..], n, values, sums);
             col += values.len() / dim;
         }
     }
 
-    /// `positions` as the cache's (before the batch) and the batch's own
-    /// (as indices into the batch, up to this token).
-    fn split(&self, positions: Range<usize>) -> (Range<usize>, Range<usize>) {
-        let pos0 = self.batch.pos0;
-        debug_assert!(positions.end <= pos0 + self.token + 1);
-        (
-            positions.start.min(pos0)..positions.end.min(pos0),
-            positions.start.max(pos0) - pos0..positions.end.max(pos0) - pos0,
-        )
+    /// The key (or value) rows at `positions`, as stretches end to end: the
+    /// staged ones, the cache's exact ones, then the batch's own. `pick`
+    /// takes keys or values from a pair; `cached` is the cache's reader.
+    fn runs<C, I>(
+        &self,
+        positions: Range<usize>,
+        pick: impl Fn((&'a [f16], &'a [f16])) -> &'a [f16],
+        cached: impl FnOnce(&'a PagedLayer, usize, Range<usize>) -> I,
+    ) -> impl Iterator<Item = &'a [f16]>
+    where
+        C: 'a,
+        I: Iterator<Item = Rows<'a, C>>,
+    {
+        let (pos0, staged_end) = (self.batch.pos0, self.staged.positions.end);
+        let clamp = |lo: usize, hi: usize| positions.start.clamp(lo, hi)..positions.end.clamp(lo, hi);
+        let (dim_k, dim_v) = (self.batch.head_dim_k, self.batch.head_dim_v);
+        let staged = pick(self.staged.rows(self.kv_head, clamp(0, staged_end), dim_k, dim_v));
+        let own = clamp(pos0, usize::MAX);
+        let own = pick(self.own.head(self.kv_head, own.start - pos0..own.end - pos0));
+        let cached = cached(self.cache, self.kv_head, clamp(staged_end, pos0)).map(|rows| match rows {
+            Rows::Exact(rows) => rows,
+            Rows::Coded(..) => panic!("coded rows are staged before attention"),
+        });
+        std::iter::once(staged).chain(cached).chain(std::iter::once(own))
     }
 }
 
@@ -277,17 +343,6 @@ fn head_rows(scores: &mut [f32], heads: usize, piece_len: usize, h: usize) -> im
         let len = piece.len() / heads;
         &mut piece[h * len..][..len]
     })
-}
-
-impl Decoded {
-    /// `len` numbers of a coded page, dequantized by `fill` and rounded to f16.
-    fn decode(&mut self, len: usize, fill: impl FnOnce(&mut [f32])) -> &[f16] {
-        self.numbers.resize(len, 0.0);
-        fill(&mut self.numbers);
-        self.halves.resize(len, f16::ZERO);
-        self.halves.convert_from_f32_slice(&self.numbers);
-        &self.halves
-    }
 }
 
 /// Rounds every element to the nearest f16, through the buffer `halves`.

@@ -296,6 +296,20 @@ impl PagedLayer {
         }
     }
 
+    /// The positions held as codes, oldest first (none in the f16 mode).
+    pub fn coded(&self) -> Range<usize> {
+        if self.mode == KvMode::F16 {
+            return 0..0;
+        }
+        self.first_exact.saturating_sub(self.coded_slots) * PAGE..self.first_exact * PAGE
+    }
+
+    /// The values of `head` in `page`, once it is coded.
+    pub fn coded_values(&self, head: usize, page: usize) -> Option<&ValueRows> {
+        (self.mode != KvMode::F16 && self.is_coded(page))
+            .then(|| &self.values[head * self.coded_slots + page % self.coded_slots])
+    }
+
     /// Forgets positions from `pos` on.
     fn rewind(&mut self, pos: usize) {
         if pos == 0 {
