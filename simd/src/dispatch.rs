@@ -50,7 +50,7 @@ pub(crate) struct AttentionKernels {
 #[derive(Clone, Copy)]
 pub(crate) struct WeightKernels {
     pub(crate) dot: DotFn,
-    /// Several rows sharing activation loads; `None` loops over `dot`.
+    /// Several rows at a time, sharing work on the activations; `None` loops over `dot`.
     pub(crate) dot_rows: Option<DotRowsFn>,
     pub(crate) dequantize: DequantFn,
 }
@@ -348,8 +348,8 @@ impl Kernels {
     /// `r * row_bytes` of `w_rows` (`row_bytes` ≥ the row's length; a larger value is a
     /// stride) and has `n` elements.
     ///
-    /// The x86 tables process 2 (AVX2) or 4 (AVX-512) rows per pass over the
-    /// activations for the quantized formats; results equal [`Kernels::dot`]'s per row.
+    /// For the 32-element formats, the x86 tables prepare what depends on the activations
+    /// alone (scales, sums) once for all rows; results equal [`Kernels::dot`]'s per row.
     ///
     /// # Panics
     /// As [`Kernels::dot`], and if `w_rows` is too short for `out.len()` rows.

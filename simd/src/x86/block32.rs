@@ -1,17 +1,26 @@
 //! The shared skeleton of the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): eight
-//! blocks at a time, each block's exact i32 sum from [`Block32::lanes`], the eight sums
-//! gathered into one vector, scaled and added to eight f32 lanes — the order
-//! `crate::formats` prescribes.
+//! blocks at a time, each block's exact i32 sum, the eight sums gathered into one vector,
+//! scaled and added to eight f32 lanes — the order `crate::formats` prescribes.
 //!
-//! The tile kernels ([`Tiled`]) do the same per (row, token) pair, from weight blocks
-//! unpacked once per tile ([`Block32::prepare`]) and laid out so that the eight block
-//! sums need no horizontal reduction.
+//! Both kernels compute a block's sum the same way: [`Block32::prepare`] turns the
+//! weight quants into bytes `q + offset` ([`Block32::offset`]), [`Block32::dp_prepared`]
+//! dots them with the activation quants, and the sum starts at `−offset · Σ y`. What
+//! depends on the activations alone (their scales, sums and that start) is computed
+//! once per activation row ([`RowGroup`]) or tile of tokens ([`Group`]), not once per
+//! weight row.
+//!
+//! The row kernel ([`dot_rows`]) reduces the eight blocks' lanes with [`reduce8x8`]; the
+//! tile kernels ([`Tiled`]) dot weight blocks unpacked once per tile
+//! ([`Block32::prepare`]) and laid out so that the eight block sums need no horizontal
+//! reduction.
 
 use core::arch::x86_64::*;
+use core::cell::Cell;
 use core::marker::PhantomData;
 
 use super::tile::{transpose8x8, Tiles};
 use super::{cvt_f16x8, reduce8_ps, reduce8x8, IsaOps};
+use crate::formats::cast_blocks;
 
 /// Rows and tokens of a tile: `R` rows share the packed activations of each group,
 /// `T` tokens the prepared weights.
@@ -25,18 +34,21 @@ pub(crate) trait Block32: bytemuck::Pod {
     type Act: bytemuck::Pod;
     /// Whether the block has a minimum (`m`) paired with the activation's `s`.
     const WITH_MIN: bool;
-    /// The bias of [`Block32::prepare`]'s bytes over the quants.
-    const OFFSET: i8 = 0;
+    /// The bias of [`Block32::prepare`]'s bytes over the quants, on ISA `I`.
+    #[inline(always)]
+    fn offset<I: IsaOps>() -> u8 {
+        0
+    }
 
-    /// The block's quants as bytes for [`Block32::dp_prepared`]: `q + OFFSET` as
-    /// unsigned bytes of at most 63, or (if `OFFSET` is 0) whatever that function
-    /// takes.
+    /// The block's quants as bytes for [`Block32::dp_prepared`]: `q + offset` as
+    /// unsigned bytes (of at most 63 unless `I::BYTE_DP`), or (if the offset is 0)
+    /// whatever that function takes.
     ///
     /// # Safety
     /// The CPU must support `I`.
     unsafe fn prepare<I: IsaOps>(x: &Self) -> __m256i;
 
-    /// `acc` plus i32 lanes whose total is `Σ (q + OFFSET)·y`, for prepared weight bytes
+    /// `acc` plus i32 lanes whose total is `Σ (q + offset)·y`, for prepared weight bytes
     /// `p` and activation bytes `y` in matching positions.
     ///
     /// # Safety
@@ -45,18 +57,6 @@ pub(crate) trait Block32: bytemuck::Pod {
     unsafe fn dp_prepared<I: IsaOps>(acc: __m256i, p: __m256i, y: __m256i) -> __m256i {
         // SAFETY: the caller guarantees the ISA.
         unsafe { I::dp(acc, p, y) }
-    }
-
-    /// i32 lanes whose total is the block's exact `Σ q·y`.
-    ///
-    /// # Safety
-    /// The CPU must support `I`.
-    #[inline(always)]
-    unsafe fn lanes<I: IsaOps>(x: &Self, y: &Self::Act) -> __m256i {
-        // Formats with an offset must subtract it, so they override this.
-        const { assert!(Self::OFFSET == 0) };
-        // SAFETY: the caller guarantees the ISA.
-        unsafe { Self::dp_prepared::<I>(_mm256_setzero_si256(), Self::prepare::<I>(x), Self::act_quants(y)) }
     }
 
     /// f16 bits of the weight scale.
@@ -75,44 +75,111 @@ pub(crate) trait Block32: bytemuck::Pod {
     }
 }
 
-/// Dot products of `R` weight rows with one activation row.
+/// What the row kernel needs of eight activation blocks besides their quants (zero past
+/// the end of the row).
+#[derive(Clone, Copy, bytemuck::Zeroable, bytemuck::Pod)]
+#[repr(C)]
+pub(crate) struct RowGroup {
+    /// The scales `d` and sums `s`, one lane per block.
+    d: __m256,
+    s: __m256,
+    /// Where the blocks' sums start, `−offset · Σ y`, one lane per block.
+    start: __m256i,
+}
+
+thread_local! {
+    /// Each thread's [`RowGroup`]s of the current activation row: grown to the largest
+    /// row, never shrunk.
+    static ROW_GROUPS: Cell<Vec<RowGroup>> = const { Cell::new(Vec::new()) };
+}
+
+/// `out[r]` = the dot product of weight row `r` with `y`, the rows starting every
+/// `stride` bytes of `w` (lengths as `dispatch::DotRowsFn`).
 ///
 /// # Safety
-/// The CPU must support `I`; every row has `y.len()` blocks.
+/// The CPU must support `I`.
 #[inline(always)]
-pub(crate) unsafe fn dot_n<I: IsaOps, B: Block32, const R: usize>(xs: [&[B]; R], y: &[B::Act]) -> [f32; R] {
+pub(crate) unsafe fn dot_rows<I: IsaOps, B: Block32>(w: &[u8], stride: usize, y: &[B::Act], out: &mut [f32]) {
+    let mut groups = ROW_GROUPS.take();
+    groups.clear();
+    for y in y.chunks(8) {
+        // SAFETY: the caller guarantees the ISA.
+        groups.push(unsafe { row_group::<I, B>(y) });
+    }
+    let len = y.len() * core::mem::size_of::<B>();
+    for (r, out) in out.iter_mut().enumerate() {
+        let x = cast_blocks::<B>(&w[r * stride..][..len]);
+        // SAFETY: as above; the row has `y.len()` blocks.
+        *out = unsafe { dot_row::<I, B>(x, y, &groups) };
+    }
+    ROW_GROUPS.set(groups);
+}
+
+/// The [`RowGroup`] of up to eight activation blocks.
+#[inline(always)]
+unsafe fn row_group<I: IsaOps, B: Block32>(y: &[B::Act]) -> RowGroup {
     // SAFETY: the caller guarantees the ISA.
     unsafe {
-        let mut acc = [_mm256_setzero_ps(); R];
-        let full = y.len() / 8 * 8;
-        let mut b0 = 0;
-        while b0 < full {
-            group::<I, B, R>(&xs, &y[b0..b0 + 8], b0, &mut acc);
-            b0 += 8;
+        let (d, s) = act_scales::<B>(y);
+        let mut start = _mm256_setzero_si256();
+        if B::offset::<I>() != 0 {
+            let mut v = [_mm256_setzero_si256(); 8];
+            for (v, y) in v.iter_mut().zip(y) {
+                *v = I::dp(_mm256_setzero_si256(), _mm256_set1_epi8(B::offset::<I>() as i8), B::act_quants(y));
+            }
+            start = _mm256_sub_epi32(start, reduce8x8(&v));
         }
-        if b0 < y.len() {
-            group::<I, B, R>(&xs, &y[b0..], b0, &mut acc);
-        }
-        acc.map(|a| reduce8_ps(a))
+        RowGroup { d, s, start }
     }
 }
 
-/// Adds blocks `b0 .. b0 + k` (`k ≤ 8`, block `b0 + j` into lane `j`) to `acc`; `y` holds
-/// those `k` activation blocks.
+/// One weight row `x` · `y`, whose groups `groups` holds.
 #[inline(always)]
-unsafe fn group<I: IsaOps, B: Block32, const R: usize>(xs: &[&[B]; R], y: &[B::Act], b0: usize, acc: &mut [__m256; R]) {
+unsafe fn dot_row<I: IsaOps, B: Block32>(x: &[B], y: &[B::Act], groups: &[RowGroup]) -> f32 {
     // SAFETY: the caller guarantees the ISA.
     unsafe {
-        let k = y.len();
-        let ys = act_scales::<B>(y);
-        for r in 0..R {
-            let x = &xs[r][b0..b0 + k];
-            let mut v = [_mm256_setzero_si256(); 8];
-            for j in 0..k {
-                v[j] = B::lanes::<I>(&x[j], &y[j]);
-            }
-            acc[r] = _mm256_add_ps(acc[r], block_values::<B>(weight_scales(x), ys, reduce8x8(&v)));
+        let mut acc = _mm256_setzero_ps();
+        let full = y.len() / 8;
+        for g in 0..full {
+            acc = row_group_add::<I, B, 8>(&x[8 * g..], &y[8 * g..], &groups[g], acc);
         }
+        // The last, partial group, block by block count so that each count's loop
+        // unrolls.
+        let b0 = 8 * full;
+        macro_rules! tail {
+            ($($k:literal)*) => {
+                match y.len() - b0 {
+                    $($k => acc = row_group_add::<I, B, $k>(&x[b0..], &y[b0..], &groups[full], acc),)*
+                    _ => {}
+                }
+            };
+        }
+        tail!(1 2 3 4 5 6 7);
+        reduce8_ps(acc)
+    }
+}
+
+/// `acc` plus the values of the `K` blocks (`K ≤ 8`) that `x` and `y` start with, block
+/// `j` in lane `j`; `group` is their [`RowGroup`].
+#[inline(always)]
+unsafe fn row_group_add<I: IsaOps, B: Block32, const K: usize>(
+    x: &[B],
+    y: &[B::Act],
+    group: &RowGroup,
+    acc: __m256,
+) -> __m256 {
+    // SAFETY: the caller guarantees the ISA.
+    unsafe {
+        let (x, y) = (&x[..K], &y[..K]);
+        let mut v = [_mm256_setzero_si256(); 8];
+        for j in 0..K {
+            v[j] = B::dp_prepared::<I>(_mm256_setzero_si256(), B::prepare::<I>(&x[j]), B::act_quants(&y[j]));
+        }
+        let mut sums = reduce8x8(&v);
+        if B::offset::<I>() != 0 {
+            sums = _mm256_add_epi32(sums, group.start);
+        }
+        _mm256_add_ps(acc, block_values::<B>(weight_scales(x), (group.d, group.s), sums))
     }
 }
 
@@ -122,7 +189,7 @@ unsafe fn group<I: IsaOps, B: Block32, const R: usize>(xs: &[&[B]; R], y: &[B::A
 /// block `j` in its i32 lane `j`, for the weights (prepared once per row and tile) and
 /// for the activations (packed once per token tile). Eight dot products of transposed
 /// vectors then leave each block's exact sum in its own lane, which is the layout
-/// [`group`] reduces its lanes to, and the same float operations follow.
+/// the row kernel reduces its lanes to, and the same float operations follow.
 pub(crate) struct Tiled<B>(PhantomData<B>);
 
 /// Eight blocks (zero past the end of the row) of one activation row, packed; or of one
@@ -136,7 +203,7 @@ pub(crate) struct Group {
     /// lane per block.
     d: __m256,
     m: __m256,
-    /// Activations: where the sums start, `−OFFSET · Σ y`, one lane per block.
+    /// Activations: where the sums start, `−offset · Σ y`, one lane per block.
     start: __m256i,
 }
 
@@ -145,7 +212,7 @@ pub(crate) struct Group {
 pub(crate) struct Scratch {
     /// The current group of every row.
     rows: [Group; TILE_ROWS],
-    /// Eight f32 lanes per (row, token) pair, as in [`dot_n`].
+    /// Eight f32 lanes per (row, token) pair, as in [`dot_rows`].
     acc: [[__m256; TILE_TOKENS]; TILE_ROWS],
 }
 
@@ -176,9 +243,9 @@ impl<B: Block32> Tiles<TILE_ROWS, TILE_TOKENS> for Tiled<B> {
                     group.quants = transpose8x8(&v);
                     (group.d, group.m) = act_scales::<B>(y);
                     let mut offset = _mm256_setzero_si256();
-                    if B::OFFSET != 0 {
+                    if B::offset::<I>() != 0 {
                         for m in 0..8 {
-                            offset = I::dp(offset, _mm256_set1_epi8(B::OFFSET), group.quants[m]);
+                            offset = I::dp(offset, _mm256_set1_epi8(B::offset::<I>() as i8), group.quants[m]);
                         }
                     }
                     group.start = _mm256_sub_epi32(_mm256_setzero_si256(), offset);
@@ -233,7 +300,7 @@ impl<B: Block32> Tiles<TILE_ROWS, TILE_TOKENS> for Tiled<B> {
 /// Rows and tokens of the products in [`tile_group`].
 const MICRO: usize = 4;
 
-/// [`group`] for a tile: adds blocks `b0 .. b0 + k` (`k ≤ 8`) of every (row, token)
+/// [`row_group_add`] for a tile: adds blocks `b0 .. b0 + k` (`k ≤ 8`) of every (row, token)
 /// pair to the accumulators (the first group, `b0 == 0`, to zero), for the tokens
 /// whose blocks `tokens` holds, packed (a multiple of [`MICRO`] of them). The products
 /// run [`MICRO`] rows × [`MICRO`] tokens at a time, so that each vector loaded serves
@@ -307,15 +374,18 @@ unsafe fn act_scales<B: Block32>(y: &[B::Act]) -> (__m256, __m256) {
 /// past the end).
 #[inline(always)]
 unsafe fn weight_scales<B: Block32>(x: &[B]) -> (__m256, __m256) {
-    let (mut d, mut m) = ([0u16; 8], [0u16; 8]);
+    // Gathered in general-purpose registers, four halves to a word: inserted into a
+    // vector one by one, they took shuffle slots that the row kernel's reduction needs
+    // (and slowed it by a fifth); a vector gather is slower still.
+    let (mut d, mut m) = ([0u64; 2], [0u64; 2]);
     for (j, x) in x.iter().enumerate() {
-        d[j] = x.d();
+        d[j / 4] |= u64::from(x.d()) << (16 * (j % 4));
         if B::WITH_MIN {
-            m[j] = x.m();
+            m[j / 4] |= u64::from(x.m()) << (16 * (j % 4));
         }
     }
     // SAFETY: the caller guarantees an ISA, and each has F16C.
-    unsafe { (cvt_f16x8(d), cvt_f16x8(m)) }
+    unsafe { (cvt_f16x8(bytemuck::cast(d)), cvt_f16x8(bytemuck::cast(m))) }
 }
 
 /// The f32 value of each of up to eight blocks, one lane each: `(dx·dy)·sum`, plus

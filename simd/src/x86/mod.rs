@@ -4,9 +4,10 @@
 //!
 //! One file per format (plus `float.rs` for F32/F16/BF16 and `quantize.rs` for the
 //! activation quantizers). Integer kernels are written once, as `#[inline(always)]`
-//! functions generic over an [`IsaOps`] implementation that supplies the one
-//! instruction that differs: the u8×i8 dot product of four-byte groups
-//! (`vpmaddubsw`+`vpmaddwd` on AVX2, `vpdpbusd` on AVX-512 VNNI). The [`x86_entries!`]
+//! functions generic over an [`IsaOps`] implementation that supplies the few
+//! instructions that differ: above all the u8×i8 dot product of four-byte groups
+//! (`vpmaddubsw`+`vpmaddwd` on AVX2, `vpdpbusd` on AVX-512 VNNI, which also takes
+//! unsigned bytes above 128). The [`x86_entries!`]
 //! macro then instantiates each kernel inside a `#[target_feature]` entry point per ISA,
 //! where LLVM inlines everything and compiles it with that ISA's instructions.
 //!
@@ -54,16 +55,15 @@ mod quantize;
 mod superblock;
 pub(crate) mod tile;
 
-/// The instruction that differs between the ISAs' integer kernels.
+/// The instructions that differ between the ISAs' integer kernels.
 pub(crate) trait IsaOps {
-    /// Weight rows per activation pass in `dot_rows`. One, on both ISAs: with
-    /// more, the kernel's registers spill and a decode step's weight stream
-    /// (the output head above all) ran at a third of the speed on Zen 4.
-    const ROWS: usize;
+    /// Whether [`IsaOps::dp`] is exact for every unsigned byte `u`.
+    const BYTE_DP: bool;
 
     /// `acc + Σ u·s` over each group of four bytes (`u` unsigned, `s` signed), one i32
     /// lane per group. Exact as long as `u₀s₀ + u₁s₁` fits in an i16 (AVX2 saturates
-    /// there); every caller keeps `u ≤ 128` and `|s| ≤ 127`, or `u ≤ 63`.
+    /// there; VNNI does not, see [`IsaOps::BYTE_DP`]); every caller keeps `u ≤ 128` and
+    /// `|s| ≤ 127`, or `u ≤ 63`, or has `BYTE_DP`.
     ///
     /// # Safety
     /// The CPU must support the ISA.
@@ -75,6 +75,13 @@ pub(crate) trait IsaOps {
     /// # Safety
     /// The CPU must support the ISA.
     unsafe fn dp16(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+
+    /// `v + b` in each byte `j` for which bit `j` of the little-endian `bits` is set,
+    /// `v` in the others.
+    ///
+    /// # Safety
+    /// The CPU must support the ISA.
+    unsafe fn add_where(v: __m256i, bits: [u8; 4], b: __m256i) -> __m256i;
 }
 
 /// AVX2 + FMA + F16C.
@@ -83,7 +90,7 @@ pub(crate) struct Avx2;
 pub(crate) struct Avx512;
 
 impl IsaOps for Avx2 {
-    const ROWS: usize = 1;
+    const BYTE_DP: bool = false;
 
     #[inline(always)]
     unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
@@ -99,10 +106,16 @@ impl IsaOps for Avx2 {
         // SAFETY: the caller runs with AVX2 enabled.
         unsafe { _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)) }
     }
+
+    #[inline(always)]
+    unsafe fn add_where(v: __m256i, bits: [u8; 4], b: __m256i) -> __m256i {
+        // SAFETY: the caller runs with AVX2 enabled.
+        unsafe { _mm256_add_epi8(v, _mm256_and_si256(bits32(bits), b)) }
+    }
 }
 
 impl IsaOps for Avx512 {
-    const ROWS: usize = 1;
+    const BYTE_DP: bool = true;
 
     #[inline(always)]
     unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
@@ -114,6 +127,12 @@ impl IsaOps for Avx512 {
     unsafe fn dp16(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
         // SAFETY: the caller runs with AVX-512 VL + VNNI enabled.
         unsafe { _mm256_dpwssd_epi32(acc, a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn add_where(v: __m256i, bits: [u8; 4], b: __m256i) -> __m256i {
+        // SAFETY: the caller runs with AVX-512 BW + VL enabled.
+        unsafe { _mm256_mask_add_epi8(v, u32::from_le_bytes(bits), v, b) }
     }
 }
 
@@ -182,9 +201,10 @@ pub(crate) fn reduce8_ps(v: __m256) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(crate) fn nibbles32(qs: &[u8; 16]) -> __m256i {
-    let lo = load16(qs);
-    let hi = _mm_srli_epi16(lo, 4);
-    _mm256_and_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(0x0f))
+    // The bytes in both halves (a load that broadcasts), the high half shifted down by
+    // four: one shift instead of a shift and an insert.
+    let both = _mm256_broadcastsi128_si256(load16(qs));
+    _mm256_and_si256(_mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0f))
 }
 
 /// Byte `j` is `0xFF` if bit `j` of the little-endian u32 `qh` is set, else 0.
@@ -200,20 +220,20 @@ pub(crate) fn bits32(qh: [u8; 4]) -> __m256i {
     _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit)
 }
 
-/// Defines, for one integer kernel `$kernel::<I, R>(xs: [&[$W]; R], y: &[$A]) -> [f32; R]`
-/// and the tile kernels of its family (`$family::Tiled<$W>`, see [`tile`]), the modules
-/// `avx2` and `avx512`, each with the byte-level table entries `dot`, `dot_rows` and
-/// `dot_tile` compiled for that ISA.
+/// Defines, for a weight format `$W` of a family (`block32` or `superblock`, whose
+/// `dot_rows` and `Tiled<$W>` give the row and tile kernels) with activations `$A`,
+/// the modules `avx2` and `avx512`, each with the byte-level table entries `dot`,
+/// `dot_rows` and `dot_tile` compiled for that ISA.
 macro_rules! x86_entries {
-    ($kernel:ident, $family:ident, $W:ty, $A:ty) => {
+    ($family:ident, $W:ty, $A:ty) => {
         // The feature lists are those `Isa::is_supported` checks.
-        $crate::x86::x86_entries!(@isa avx2, $crate::x86::Avx2, "avx2,fma,f16c", $kernel, $family, $W, $A);
+        $crate::x86::x86_entries!(@isa avx2, $crate::x86::Avx2, "avx2,fma,f16c", $family, $W, $A);
         $crate::x86::x86_entries!(
             @isa avx512, $crate::x86::Avx512,
-            "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", $kernel, $family, $W, $A
+            "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", $family, $W, $A
         );
     };
-    (@isa $module:ident, $I:ty, $features:literal, $kernel:ident, $family:ident, $W:ty, $A:ty) => {
+    (@isa $module:ident, $I:ty, $features:literal, $family:ident, $W:ty, $A:ty) => {
         pub(crate) mod $module {
             use super::*;
             use $crate::formats::cast_blocks;
@@ -224,32 +244,22 @@ macro_rules! x86_entries {
             /// The CPU must support the ISA; lengths as `dispatch::DotFn`.
             #[target_feature(enable = $features)]
             pub(crate) unsafe fn dot(w: &[u8], a: &[u8]) -> f32 {
-                // SAFETY: this function's target features are the ISA's.
-                unsafe { $kernel::<$I, 1>([cast_blocks::<$W>(w)], cast_blocks::<$A>(a))[0] }
+                let mut out = [0f32];
+                // SAFETY: this function's target features are the ISA's; one row of the
+                // activations' length.
+                unsafe { dot_rows(w, w.len(), a, &mut out) };
+                out[0]
             }
 
-            /// Table entry: several rows per pass over the activations.
+            /// Table entry: every row against the activations, one after another.
             ///
             /// # Safety
             /// The CPU must support the ISA; lengths as `dispatch::DotRowsFn`.
             #[target_feature(enable = $features)]
             pub(crate) unsafe fn dot_rows(w: &[u8], stride: usize, a: &[u8], out: &mut [f32]) {
-                const R: usize = <$I as $crate::x86::IsaOps>::ROWS;
-                let y = cast_blocks::<$A>(a);
-                let len = y.len() * core::mem::size_of::<$W>();
-                let row = |r: usize| cast_blocks::<$W>(&w[r * stride..r * stride + len]);
-                let mut r = 0;
-                while r + R <= out.len() {
-                    let xs: [&[$W]; R] = core::array::from_fn(|i| row(r + i));
-                    // SAFETY: this function's target features are the ISA's.
-                    out[r..r + R].copy_from_slice(&unsafe { $kernel::<$I, R>(xs, y) });
-                    r += R;
-                }
-                while r < out.len() {
-                    // SAFETY: as above.
-                    out[r] = unsafe { $kernel::<$I, 1>([row(r)], y)[0] };
-                    r += 1;
-                }
+                // SAFETY: this function's target features are the ISA's; lengths as
+                // `dispatch::DotRowsFn`.
+                unsafe { $crate::x86::$family::dot_rows::<$I, $W>(w, stride, cast_blocks::<$A>(a), out) }
             }
 
             /// Table entry: every row with every activation row, a tile at a time.

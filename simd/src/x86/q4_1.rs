@@ -2,7 +2,7 @@
 
 use core::arch::x86_64::*;
 
-use super::block32::{dot_n, Block32};
+use super::block32::Block32;
 use super::{load32, nibbles32, IsaOps};
 use crate::formats::{BlockQ4_1, BlockQ8_1};
 
@@ -32,11 +32,4 @@ impl Block32 for BlockQ4_1 {
     }
 }
 
-/// See [`dot_n`].
-#[inline(always)]
-unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ4_1]; R], y: &[BlockQ8_1]) -> [f32; R] {
-    // SAFETY: forwarded precondition.
-    unsafe { dot_n::<I, BlockQ4_1, R>(xs, y) }
-}
-
-super::x86_entries!(kernel, block32, BlockQ4_1, BlockQ8_1);
+super::x86_entries!(block32, BlockQ4_1, BlockQ8_1);

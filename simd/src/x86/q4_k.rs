@@ -1,5 +1,5 @@
-//! Q4_K × Q8_K: per super-block, eight 32-element sub-block sums gathered into one
-//! vector and multiplied by the 6-bit scales; the minimum term from Q8_K's `bsums`.
+//! Q4_K × Q8_K (see `superblock_with_min!`): the 4-bit quants, and the helpers that
+//! Q5_K shares.
 
 use core::arch::x86_64::*;
 
@@ -70,35 +70,4 @@ pub(crate) fn tile_scales(scales: &[u8; 12]) -> (__m256i, __m256i) {
 
 super::superblock::superblock_with_min!(BlockQ4K);
 
-/// Dot products of `R` weight rows with one activation row.
-///
-/// # Safety
-/// The CPU must support `I`; every row has `y.len()` blocks.
-#[inline(always)]
-unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ4K]; R], y: &[BlockQ8K]) -> [f32; R] {
-    // SAFETY: the caller guarantees the ISA.
-    unsafe {
-        let mut acc = [0f32; R];
-        for (i, yb) in y.iter().enumerate() {
-            let yv = activation_vectors(yb);
-            let pairs = pair_sums(yb);
-            for r in 0..R {
-                let xb = &xs[r][i];
-                let (sc, mn) = scales_mins_words(&xb.scales);
-                let q = quants(xb);
-                let mut v = [_mm256_setzero_si256(); 8];
-                for j in 0..8 {
-                    v[j] = I::dp(_mm256_setzero_si256(), q[j], yv[j]);
-                }
-                let sumi = scaled_total(&v, sc);
-                let summ = weighted_sum(pairs, mn);
-                let d = f16_to_f32(xb.d) * yb.d;
-                let dm = f16_to_f32(xb.dmin) * yb.d;
-                acc[r] += d * sumi as f32 - dm * summ as f32;
-            }
-        }
-        acc
-    }
-}
-
-super::x86_entries!(kernel, superblock, BlockQ4K, BlockQ8K);
+super::x86_entries!(superblock, BlockQ4K, BlockQ8K);

@@ -2,8 +2,8 @@
 
 use core::arch::x86_64::*;
 
-use super::block32::{dot_n, Block32};
-use super::{bits32, load32, nibbles32, IsaOps};
+use super::block32::Block32;
+use super::{load32, nibbles32, IsaOps};
 use crate::formats::{BlockQ5_1, BlockQ8_1};
 
 impl Block32 for BlockQ5_1 {
@@ -13,7 +13,7 @@ impl Block32 for BlockQ5_1 {
     #[inline(always)]
     unsafe fn prepare<I: IsaOps>(x: &Self) -> __m256i {
         // SAFETY: the caller guarantees the ISA.
-        unsafe { _mm256_or_si256(nibbles32(&x.qs), _mm256_and_si256(bits32(x.qh), _mm256_set1_epi8(0x10))) }
+        unsafe { I::add_where(nibbles32(&x.qs), x.qh, _mm256_set1_epi8(0x10)) }
     }
     fn d(&self) -> u16 {
         self.d.to_bits()
@@ -32,11 +32,4 @@ impl Block32 for BlockQ5_1 {
     }
 }
 
-/// See [`dot_n`].
-#[inline(always)]
-unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ5_1]; R], y: &[BlockQ8_1]) -> [f32; R] {
-    // SAFETY: forwarded precondition.
-    unsafe { dot_n::<I, BlockQ5_1, R>(xs, y) }
-}
-
-super::x86_entries!(kernel, block32, BlockQ5_1, BlockQ8_1);
+super::x86_entries!(block32, BlockQ5_1, BlockQ8_1);

@@ -34,35 +34,4 @@ fn quants(x: &BlockQ5K) -> [__m256i; 8] {
 
 super::superblock::superblock_with_min!(BlockQ5K);
 
-/// Dot products of `R` weight rows with one activation row.
-///
-/// # Safety
-/// The CPU must support `I`; every row has `y.len()` blocks.
-#[inline(always)]
-unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ5K]; R], y: &[BlockQ8K]) -> [f32; R] {
-    // SAFETY: the caller guarantees the ISA.
-    unsafe {
-        let mut acc = [0f32; R];
-        for (i, yb) in y.iter().enumerate() {
-            let yv = activation_vectors(yb);
-            let pairs = pair_sums(yb);
-            for r in 0..R {
-                let xb = &xs[r][i];
-                let (sc, mn) = scales_mins_words(&xb.scales);
-                let q = quants(xb);
-                let mut v = [_mm256_setzero_si256(); 8];
-                for j in 0..8 {
-                    v[j] = I::dp(_mm256_setzero_si256(), q[j], yv[j]);
-                }
-                let sumi = scaled_total(&v, sc);
-                let summ = weighted_sum(pairs, mn);
-                let d = f16_to_f32(xb.d) * yb.d;
-                let dm = f16_to_f32(xb.dmin) * yb.d;
-                acc[r] += d * sumi as f32 - dm * summ as f32;
-            }
-        }
-        acc
-    }
-}
-
-super::x86_entries!(kernel, superblock, BlockQ5K, BlockQ8K);
+super::x86_entries!(superblock, BlockQ5K, BlockQ8K);

@@ -53,25 +53,18 @@ impl SuperBlock for BlockQ6K {
     fn d(&self) -> f32 {
         f16_to_f32(self.d)
     }
-}
 
-/// Dot products of `R` weight rows with one activation row.
-///
-/// # Safety
-/// The CPU must support `I`; every row has `y.len()` blocks.
-#[inline(always)]
-unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ6K]; R], y: &[BlockQ8K]) -> [f32; R] {
-    // SAFETY: the caller guarantees the ISA.
-    unsafe {
-        let mut acc = [0f32; R];
-        // Scale order matching the lanes of the group sums below: even groups of each
-        // vector pair first, then odd ones.
-        let order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-        for (i, yb) in y.iter().enumerate() {
-            let yv = activation_vectors(yb);
-            let bsums = load32(&yb.bsums);
-            for r in 0..R {
-                let xb = &xs[r][i];
+    #[inline(always)]
+    unsafe fn dot<I: IsaOps>(x: &[Self], y: &[BlockQ8K]) -> f32 {
+        // SAFETY: the caller guarantees the ISA.
+        unsafe {
+            let mut acc = 0f32;
+            // Scale order matching the lanes of the group sums below: even groups of each
+            // vector pair first, then odd ones.
+            let order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+            for (xb, yb) in x.iter().zip(y) {
+                let yv = activation_vectors(yb);
+                let bsums = load32(&yb.bsums);
                 let q = quants(xb);
                 let mut v = [_mm256_setzero_si256(); 8];
                 for j in 0..8 {
@@ -88,11 +81,11 @@ unsafe fn kernel<I: IsaOps, const R: usize>(xs: [&[BlockQ6K]; R], y: &[BlockQ8K]
                 let unsigned = hsum_i32(_mm256_add_epi32(_mm256_mullo_epi32(g0, s0), _mm256_mullo_epi32(g1, s1)));
                 let offset = hsum_i32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(scales), bsums));
                 let sumi = unsigned - 32 * offset;
-                acc[r] += (f16_to_f32(xb.d) * yb.d) * sumi as f32;
+                acc += (f16_to_f32(xb.d) * yb.d) * sumi as f32;
             }
+            acc
         }
-        acc
     }
 }
 
-super::x86_entries!(kernel, superblock, BlockQ6K, BlockQ8K);
+super::x86_entries!(superblock, BlockQ6K, BlockQ8K);

@@ -18,7 +18,7 @@ use core::marker::PhantomData;
 
 use super::tile::{transpose8x8, Tiles};
 use super::{load32, reduce8x8, IsaOps};
-use crate::formats::BlockQ8K;
+use crate::formats::{cast_blocks, BlockQ8K};
 
 /// Rows and tokens of a tile.
 pub(crate) const TILE: (usize, usize) = (TILE_ROWS, TILE_TOKENS);
@@ -58,6 +58,27 @@ pub(crate) trait SuperBlock: bytemuck::Pod {
     /// The super-block scale of the minimums (if `WITH_MIN`).
     fn dmin(&self) -> f32 {
         0.0
+    }
+
+    /// The dot product of the row `x` with the activation row `y`.
+    ///
+    /// # Safety
+    /// The CPU must support `I`; `x` and `y` have as many blocks.
+    unsafe fn dot<I: IsaOps>(x: &[Self], y: &[BlockQ8K]) -> f32;
+}
+
+/// `out[r]` = the dot product of weight row `r` with `y`, the rows starting every
+/// `stride` bytes of `w` (lengths as `dispatch::DotRowsFn`).
+///
+/// # Safety
+/// The CPU must support `I`.
+#[inline(always)]
+pub(crate) unsafe fn dot_rows<I: IsaOps, K: SuperBlock>(w: &[u8], stride: usize, y: &[BlockQ8K], out: &mut [f32]) {
+    let len = y.len() * core::mem::size_of::<K>();
+    for (r, out) in out.iter_mut().enumerate() {
+        let x = cast_blocks::<K>(&w[r * stride..][..len]);
+        // SAFETY: the caller guarantees the ISA; the row has `y.len()` blocks.
+        *out = unsafe { K::dot::<I>(x, y) };
     }
 }
 
@@ -216,6 +237,9 @@ unsafe fn scaled_sums<I: IsaOps, K: SuperBlock, const P: usize>(
 /// `SuperBlock` for the K-quants whose blocks hold `d`, `dmin` and the packed
 /// 6-bit scales and minimums (Q4_K, Q5_K); they differ only in how their
 /// quants unpack, which the invoking module's `quants` does.
+///
+/// `dot`: per super-block, eight 32-element sub-block sums gathered into one vector and
+/// multiplied by the 6-bit scales; the minimum term from Q8_K's `bsums`.
 macro_rules! superblock_with_min {
     ($block:ty) => {
         impl SuperBlock for $block {
@@ -235,6 +259,29 @@ macro_rules! superblock_with_min {
             }
             fn dmin(&self) -> f32 {
                 f16_to_f32(self.dmin)
+            }
+
+            #[inline(always)]
+            unsafe fn dot<I: IsaOps>(x: &[Self], y: &[BlockQ8K]) -> f32 {
+                // SAFETY: the caller guarantees the ISA.
+                unsafe {
+                    let mut acc = 0f32;
+                    for (xb, yb) in x.iter().zip(y) {
+                        let yv = activation_vectors(yb);
+                        let (sc, mn) = scales_mins_words(&xb.scales);
+                        let q = quants(xb);
+                        let mut v = [_mm256_setzero_si256(); 8];
+                        for j in 0..8 {
+                            v[j] = I::dp(_mm256_setzero_si256(), q[j], yv[j]);
+                        }
+                        let sumi = scaled_total(&v, sc);
+                        let summ = weighted_sum(pair_sums(yb), mn);
+                        let d = f16_to_f32(xb.d) * yb.d;
+                        let dm = f16_to_f32(xb.dmin) * yb.d;
+                        acc += d * sumi as f32 - dm * summ as f32;
+                    }
+                    acc
+                }
             }
         }
     };

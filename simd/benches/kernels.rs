@@ -1,0 +1,110 @@
+//! Kernel throughput, against the machine's memory bandwidth.
+//!
+//! * `dot_rows/FORMAT`: one activation row against a weight matrix far bigger than the
+//!   last-level cache (as a decode step streams its weights), in bytes of weights read
+//!   per second. `Q8_0 head` has the Gemma 3 output head's short rows (640 columns).
+//! * `memory_bandwidth`: one core summing a buffer larger still, for comparison.
+//! * `dot_tile/FORMAT`: a prefill-sized product (64 tokens), in multiply-adds per
+//!   second.
+//!
+//! The kernels are the process's table (`SIFT_ISA` picks another). Run with
+//! `cargo bench -p simd --bench kernels`.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
+use simd::{kernels, WeightType};
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+use common::{quantize_for, random_activation, random_weight_row, Aligned, Rng};
+
+/// Bytes of weights per `dot_rows` matrix: well past any L3.
+const MATRIX_BYTES: usize = 64 << 20;
+/// Bytes summed by `memory_bandwidth`.
+const BANDWIDTH_BYTES: usize = 256 << 20;
+/// Columns of the benched matrices (a multiple of every block size).
+const COLS: usize = 2048;
+
+/// `rows` random rows of `cols` elements of `w`, laid end to end. Random rows are
+/// costly to make, so a few are repeated: the kernels' speed does not depend on
+/// the values.
+fn random_matrix(w: WeightType, rows: usize, cols: usize, rng: &mut Rng) -> Aligned {
+    let distinct: Vec<Aligned> = (0..16).map(|_| random_weight_row(w, cols, rng)).collect();
+    let mut m = Aligned::zeroed(rows * distinct[0].len());
+    for (row, src) in m.chunks_exact_mut(distinct[0].len()).zip(distinct.iter().cycle()) {
+        row.copy_from_slice(src);
+    }
+    m
+}
+
+/// Keeps every group short, so that the whole run takes a few minutes.
+fn configure(group: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    group.sample_size(10).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
+}
+
+fn dot_rows(c: &mut Criterion) {
+    let k = kernels();
+    let mut rng = Rng::new(1);
+    let mut group = c.benchmark_group("dot_rows");
+    configure(&mut group);
+    let cases = [
+        ("Q4_0", WeightType::Q4_0, COLS),
+        ("Q4_1", WeightType::Q4_1, COLS),
+        ("Q5_0", WeightType::Q5_0, COLS),
+        ("Q5_1", WeightType::Q5_1, COLS),
+        ("Q8_0", WeightType::Q8_0, COLS),
+        ("Q8_0 head", WeightType::Q8_0, 640),
+        ("Q4_K", WeightType::Q4_K, COLS),
+        ("Q5_K", WeightType::Q5_K, COLS),
+        ("Q6_K", WeightType::Q6_K, COLS),
+        ("F16", WeightType::F16, COLS),
+        ("BF16", WeightType::BF16, COLS),
+    ];
+    for (name, w, cols) in cases {
+        let row_bytes = w.row_bytes(cols).expect("whole blocks");
+        let rows = MATRIX_BYTES / row_bytes;
+        let weights = random_matrix(w, rows, cols, &mut rng);
+        let act = quantize_for(k, w, &random_activation(cols, &mut rng));
+        let mut out = vec![0f32; rows];
+        group.throughput(Throughput::Bytes((rows * row_bytes) as u64));
+        group.bench_function(name, |b| {
+            b.iter(|| k.dot_rows(w, black_box(&weights), row_bytes, black_box(&act), cols, &mut out))
+        });
+    }
+    group.finish();
+}
+
+fn memory_bandwidth(c: &mut Criterion) {
+    let buffer: Vec<u64> = (0..BANDWIDTH_BYTES as u64 / 8).collect();
+    let mut group = c.benchmark_group("memory_bandwidth");
+    configure(&mut group);
+    group.throughput(Throughput::Bytes(BANDWIDTH_BYTES as u64));
+    group.bench_function("sum u64", |b| b.iter(|| black_box(&buffer).iter().fold(0u64, |s, &v| s.wrapping_add(v))));
+    group.finish();
+}
+
+fn dot_tile(c: &mut Criterion) {
+    const ROWS: usize = 1024;
+    const TOKENS: usize = 64;
+    let k = kernels();
+    let mut rng = Rng::new(2);
+    let mut group = c.benchmark_group("dot_tile");
+    configure(&mut group);
+    group.throughput(Throughput::Elements((ROWS * COLS * TOKENS) as u64));
+    for (name, w) in [("Q8_0", WeightType::Q8_0), ("Q4_K", WeightType::Q4_K)] {
+        let weights = random_matrix(w, ROWS, COLS, &mut rng);
+        let acts: Vec<u8> =
+            (0..TOKENS).flat_map(|_| quantize_for(k, w, &random_activation(COLS, &mut rng)).to_vec()).collect();
+        let acts = Aligned::from_bytes(&acts);
+        let mut out = vec![0f32; ROWS * TOKENS];
+        group.bench_function(name, |b| {
+            b.iter(|| k.dot_tile(w, black_box(&weights), black_box(&acts), COLS, &mut out, ROWS))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, dot_rows, memory_bandwidth, dot_tile);
+criterion_main!(benches);
