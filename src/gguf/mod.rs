@@ -17,6 +17,7 @@ use gguf_rs_lib::reader::GGUFFileReader;
 use simd::WeightType;
 
 use mmap::MappedFile;
+pub use mmap::Residence;
 
 /// Why a GGUF file could not be used. Every variant names the file, so the
 /// message alone is a complete one-line diagnosis.
@@ -80,12 +81,18 @@ pub struct GgufFile {
 }
 
 impl GgufFile {
+    /// Opens `path`, its bytes where [`Residence::Auto`] puts them.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_in(path, Residence::Auto)
+    }
+
+    /// Opens `path` with its bytes in `residence`.
+    pub fn open_in(path: impl AsRef<Path>, residence: Residence) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
         if path.is_dir() {
             return Err(GgufError::IsDirectory { path });
         }
-        let map = MappedFile::open(&path).map_err(|source| GgufError::Io { path: path.clone(), source })?;
+        let map = MappedFile::open(&path, residence).map_err(|source| GgufError::Io { path: path.clone(), source })?;
         let bytes = map.bytes();
         if bytes.len() < 4 || &bytes[..4] != b"GGUF" {
             return Err(GgufError::BadMagic { path });
