@@ -5,6 +5,7 @@
 use crate::kv::{KvCache, Storage};
 use crate::matmul::MatmulScratch;
 use crate::model::{Model, Outputs, Scratch};
+use crate::threads;
 
 /// The batch size of prefill (llama.cpp's default micro-batch).
 pub const DEFAULT_BATCH: usize = 512;
@@ -86,13 +87,15 @@ impl<'m> Session<'m> {
     /// Appends `tokens` and returns the logits after the last one.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
         self.check(tokens)?;
-        for chunk in tokens.chunks(self.batch) {
-            self.model.forward(chunk, self.n_past, &mut self.cache, &mut self.scratch, Outputs::Last);
-            self.n_past += chunk.len();
-        }
-        let n_vocab = self.model.hp.n_vocab;
-        self.logits.resize(n_vocab, 0.0);
-        self.model.logits(&self.scratch.hidden, &mut self.logits, &mut self.head_scratch);
+        threads::on_pool(|| {
+            for chunk in tokens.chunks(self.batch) {
+                self.model.forward(chunk, self.n_past, &mut self.cache, &mut self.scratch, Outputs::Last);
+                self.n_past += chunk.len();
+            }
+            let n_vocab = self.model.hp.n_vocab;
+            self.logits.resize(n_vocab, 0.0);
+            self.model.logits(&self.scratch.hidden, &mut self.logits, &mut self.head_scratch);
+        });
         Ok(&self.logits)
     }
 
@@ -107,7 +110,7 @@ impl<'m> Session<'m> {
     pub fn evaluate_all(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
         self.check(tokens)?;
         assert!(tokens.len() <= self.batch, "evaluate_all takes at most one batch");
-        self.model.forward(tokens, self.n_past, &mut self.cache, &mut self.scratch, Outputs::All);
+        threads::on_pool(|| self.model.forward(tokens, self.n_past, &mut self.cache, &mut self.scratch, Outputs::All));
         self.n_past += tokens.len();
         Ok(&self.scratch.hidden)
     }

@@ -24,3 +24,12 @@ pub fn init(n: usize) -> usize {
         .build_global();
     rayon::current_num_threads()
 }
+
+/// Runs `f` on a worker of the pool and waits for it. The parallel loops in
+/// `f` then share their work with the other workers by stealing, instead of
+/// this thread handing every loop to the pool and sleeping until it is done:
+/// a decoded token runs about a hundred loops, and each such hand-off costs a
+/// futex wake-up and wait.
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    rayon::scope(|_| f())
+}
