@@ -61,7 +61,8 @@ pub struct AuditHeader {
     pub kv_cache: String,
     pub attention: AttentionKind,
     pub n_ctx: usize,
-    pub sampling: Sampling,
+    /// The sampling settings, seed included, that reproduce the run.
+    pub sampling: SamplingParams,
     /// The prompt's length; a chat gives it per turn, in its `reply` lines.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_tokens: Option<usize>,
@@ -83,35 +84,9 @@ impl AuditHeader {
             kv_cache: kv_cache.to_string(),
             attention: AttentionKind::Dense,
             n_ctx,
-            sampling: Sampling::from(sampling),
+            sampling: sampling.clone(),
             prompt_tokens,
             sift_version: env!("CARGO_PKG_VERSION"),
-        }
-    }
-}
-
-/// The sampling settings, seed included, that reproduce a run.
-#[derive(Debug, Clone, Serialize)]
-pub struct Sampling {
-    pub temperature: f32,
-    pub top_k: usize,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub repeat_penalty: f32,
-    pub repeat_last_n: usize,
-    pub seed: u64,
-}
-
-impl From<&SamplingParams> for Sampling {
-    fn from(p: &SamplingParams) -> Self {
-        Self {
-            temperature: p.temperature,
-            top_k: p.top_k,
-            top_p: p.top_p,
-            min_p: p.min_p,
-            repeat_penalty: p.repeat_penalty,
-            repeat_last_n: p.repeat_last_n,
-            seed: p.seed,
         }
     }
 }

@@ -7,7 +7,7 @@ use std::collections::VecDeque;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct SamplingParams {
     pub temperature: f32,
     /// 0 keeps every token.

@@ -144,6 +144,23 @@ fn pad<T: Copy, const L: usize>(x: &[T], fill: T) -> [T; L] {
     out
 }
 
+/// Calls `$group::<V, L, G, W>(args)` while `$left` heads remain, on groups
+/// of `G` = 4, 2 or 1 heads, with `W` (the keys or value vectors per pass)
+/// chosen so that `G · W` accumulators fit the registers.
+macro_rules! in_groups {
+    ($left:expr, $group:ident::<$V:ident, $L:ident>($($arg:expr),*)) => {
+        // SAFETY (every arm): the caller's ISA guarantee is passed on.
+        loop {
+            match $left {
+                0 => break,
+                1 => unsafe { $group::<$V, $L, 1, 4>($($arg),*) },
+                2 | 3 => unsafe { $group::<$V, $L, 2, 4>($($arg),*) },
+                _ => unsafe { $group::<$V, $L, 4, 2>($($arg),*) },
+            }
+        }
+    };
+}
+
 /// `out[h · stride + j] = queries[h] · keys[j]` for each query `h` and key `j`, where
 /// `queries` and `keys` hold rows of `dim` elements.
 ///
@@ -167,15 +184,7 @@ pub(crate) unsafe fn scores<V: Lanes<L>, const L: usize>(
     }
     let mut queries = queries.chunks_exact(dim);
     let mut outs = out.chunks_mut(stride).map(|o| &mut o[..n]);
-    // SAFETY (all arms): the caller's ISA guarantee is passed on.
-    loop {
-        match queries.len() {
-            0 => break,
-            1 => unsafe { score_group::<V, L, 1, 4>(&mut queries, keys, &mut outs) },
-            2 | 3 => unsafe { score_group::<V, L, 2, 4>(&mut queries, keys, &mut outs) },
-            _ => unsafe { score_group::<V, L, 4, 2>(&mut queries, keys, &mut outs) },
-        }
-    }
+    in_groups!(queries.len(), score_group::<V, L>(&mut queries, keys, &mut outs));
 }
 
 /// The scores of the next `G` queries against every key, `R` keys per pass.
@@ -351,15 +360,7 @@ pub(crate) unsafe fn add_weighted<V: Lanes<L>, const L: usize>(
     }
     let mut weights = weights.chunks(stride).map(|w| &w[..n]);
     let mut outs = out.chunks_exact_mut(dim);
-    // SAFETY (all arms): the caller's ISA guarantee is passed on.
-    loop {
-        match outs.len() {
-            0 => break,
-            1 => unsafe { add_weighted_group::<V, L, 1, 4>(&mut weights, values, &mut outs) },
-            2 | 3 => unsafe { add_weighted_group::<V, L, 2, 4>(&mut weights, values, &mut outs) },
-            _ => unsafe { add_weighted_group::<V, L, 4, 2>(&mut weights, values, &mut outs) },
-        }
-    }
+    in_groups!(outs.len(), add_weighted_group::<V, L>(&mut weights, values, &mut outs));
 }
 
 /// The weighted sums of the next `G` output rows, in strips of `C` vectors.
