@@ -21,6 +21,7 @@
 
 use half::f16;
 
+use crate::dispatch::CodeRow;
 use crate::formats::f16_to_f32;
 use crate::formats::float32::fold;
 
@@ -51,6 +52,11 @@ pub(crate) trait Lanes<const L: usize>: Copy {
     unsafe fn exp2_int(self) -> Self;
     /// Sum of the lanes.
     unsafe fn sum(self) -> f32;
+    /// The first `L` codes of `bits` bits (2, 4 or 8) packed lowest bits
+    /// first in `packed` (at least `L · bits / 8` bytes), as f32.
+    unsafe fn load_codes(packed: &[u8], bits: u32) -> Self;
+    /// The lanes rounded to the nearest f16 (ties to even).
+    unsafe fn store_f16(self, out: &mut [f16; L]);
 }
 
 /// Sixteen lanes of plain Rust: the portable table's vector.
@@ -134,6 +140,27 @@ impl Lanes<16> for Portable {
     unsafe fn sum(self) -> f32 {
         fold(self.0)
     }
+    #[inline(always)]
+    unsafe fn load_codes(packed: &[u8], bits: u32) -> Self {
+        let mut out = [0.0; 16];
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = f32::from(code(packed, j, bits));
+        }
+        Portable(out)
+    }
+    #[inline(always)]
+    unsafe fn store_f16(self, out: &mut [f16; 16]) {
+        for (o, &x) in out.iter_mut().zip(&self.0) {
+            *o = f16::from_f32(x);
+        }
+    }
+}
+
+/// Code `j` of `bits` bits in `packed` (lowest bits first).
+#[inline(always)]
+pub(crate) fn code(packed: &[u8], j: usize, bits: u32) -> u8 {
+    let bit = j * bits as usize;
+    (packed[bit / 8] >> (bit % 8)) & ((1u16 << bits) - 1) as u8
 }
 
 /// `x` followed by `fill` up to `L` elements.
@@ -469,6 +496,82 @@ unsafe fn add_weighted_tail<V: Lanes<L>, const L: usize, const G: usize>(
     }
 }
 
+/// The f16 levels of one row of affine codes (the quantized KV cache's):
+/// `out[j] = f16(min[j / group] + step[j / group] · (c_j · span + (span − 1)/2))`
+/// with `c_j` the `j`-th code of `bits` bits in `codes`, or, given `fine`,
+/// `16 · c_j + f_j` with `f_j` its 4-bit code there; `span` is `2^(8 − b)` for
+/// codes of `b` bits in all (8 with `fine`). The product is exact in f32 and
+/// the sum rounds once, then the f16 rounding: as `sift`'s scalar reader.
+///
+/// # Safety
+/// As [`Lanes`]. `bits` is 2, 4 or 8 (4 with `fine`); `codes` (and `fine`)
+/// hold at least `out.len()` codes; `group` is 1 or a multiple of `L`, and
+/// `min` and `step` hold `out.len().div_ceil(group)` numbers.
+#[inline(always)]
+pub(crate) unsafe fn levels_f16<V: Lanes<L>, const L: usize>(row: &CodeRow, out: &mut [f16]) {
+    let CodeRow { codes, bits, fine, group, min, step } = *row;
+    let kept = if fine.is_some() { 8 } else { bits };
+    let span = (1u32 << (8 - kept)) as f32;
+    let half = (span - 1.0) / 2.0;
+    for j in (0..out.len()).step_by(L) {
+        // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
+        unsafe {
+            let mut c = code_lanes::<V, L>(codes, j, bits);
+            if let Some(fine) = fine {
+                c = c.mul(V::splat(16.0)).add(code_lanes::<V, L>(fine, j, 4));
+            }
+            let offset = c.mul(V::splat(span)).add(V::splat(half));
+            let level = affine_lanes::<V, L>(min, j, group).add(affine_lanes::<V, L>(step, j, group).mul(offset));
+            match out[j..].first_chunk_mut::<L>() {
+                Some(o) => level.store_f16(o),
+                None => {
+                    let mut padded = [f16::ZERO; L];
+                    level.store_f16(&mut padded);
+                    let tail = &mut out[j..];
+                    tail.copy_from_slice(&padded[..tail.len()]);
+                }
+            }
+        }
+    }
+}
+
+/// Codes `j..j + L` of `width` bits in `packed` as lanes (zeros past its end).
+///
+/// # Safety
+/// As [`Lanes`].
+#[inline(always)]
+unsafe fn code_lanes<V: Lanes<L>, const L: usize>(packed: &[u8], j: usize, width: u32) -> V {
+    let (at, len) = (j * width as usize / 8, L * width as usize / 8);
+    let rest = &packed[at..];
+    // SAFETY (both arms): the caller's ISA guarantee is passed on.
+    if rest.len() >= len {
+        unsafe { V::load_codes(rest, width) }
+    } else {
+        let bytes: [u8; 16] = pad(rest, 0);
+        unsafe { V::load_codes(&bytes[..len], width) }
+    }
+}
+
+/// The minima (or steps) of elements `j..j + L`, one per `group` elements
+/// (zeros past the end of `x` when `group` is 1).
+///
+/// # Safety
+/// As [`Lanes`].
+#[inline(always)]
+unsafe fn affine_lanes<V: Lanes<L>, const L: usize>(x: &[f32], j: usize, group: usize) -> V {
+    // SAFETY: the caller's ISA guarantee is passed on.
+    unsafe {
+        if group == 1 {
+            match x[j..].first_chunk::<L>() {
+                Some(x) => V::load(x),
+                None => V::load(&pad(&x[j..], 0.0)),
+            }
+        } else {
+            V::splat(x[j / group])
+        }
+    }
+}
+
 /// The portable table's entries.
 pub(crate) mod portable {
     use super::*;
@@ -483,6 +586,12 @@ pub(crate) mod portable {
     pub(crate) fn softmax_exp(x: &mut [f32], max: f32) -> f32 {
         // SAFETY: as above.
         unsafe { super::softmax_exp::<Portable, 16>(x, max) }
+    }
+
+    /// Table entry: [`levels_f16`](super::levels_f16) (lengths checked by the caller).
+    pub(crate) fn levels_f16(row: &CodeRow, out: &mut [f16]) {
+        // SAFETY: as above.
+        unsafe { super::levels_f16::<Portable, 16>(row, out) }
     }
 
     /// Table entry: [`add_weighted`](super::add_weighted) (lengths checked by the caller).

@@ -38,12 +38,36 @@ pub(crate) type SoftmaxExpFn = unsafe fn(x: &mut [f32], max: f32) -> f32;
 /// `out[h] += Σⱼ weights[h · stride + j] · values[j]` over rows of `dim` (> 0) elements.
 pub(crate) type AddWeightedFn = unsafe fn(dim: usize, weights: &[f32], stride: usize, values: &[f16], out: &mut [f32]);
 
+/// f16 levels of a row of affine codes (see [`Kernels::levels_f16`]).
+pub(crate) type LevelsF16Fn = unsafe fn(row: &CodeRow, out: &mut [f16]);
+
+/// One row of affine codes, as the quantized KV cache keeps them: element
+/// `j`'s code is the `j`-th of `bits` bits in `codes` (lowest bits first) or,
+/// given `fine`, `16 · c_j + f_j` with `f_j` the `j`-th 4-bit code there; its
+/// minimum and step are `min[j / group]` and `step[j / group]`.
+#[derive(Clone, Copy, Debug)]
+pub struct CodeRow<'a> {
+    /// The codes, packed.
+    pub codes: &'a [u8],
+    /// Bits per code in `codes`: 2, 4 or 8 (4 with `fine`).
+    pub bits: u32,
+    /// The low 4 bits of 8-bit codes whose top 4 are in `codes`.
+    pub fine: Option<&'a [u8]>,
+    /// Elements sharing a minimum and a step: 1 or a multiple of 16.
+    pub group: usize,
+    /// One minimum per group.
+    pub min: &'a [f32],
+    /// One step per group.
+    pub step: &'a [f32],
+}
+
 /// The attention kernels (see [`crate::attention`]).
 #[derive(Clone, Copy)]
 pub(crate) struct AttentionKernels {
     pub(crate) scores: ScoresFn,
     pub(crate) softmax_exp: SoftmaxExpFn,
     pub(crate) add_weighted: AddWeightedFn,
+    pub(crate) levels_f16: LevelsF16Fn,
 }
 
 /// The kernels of one weight format.
@@ -264,6 +288,7 @@ const SCALAR: Kernels = Kernels {
         scores: crate::attention::portable::scores,
         softmax_exp: crate::attention::portable::softmax_exp,
         add_weighted: crate::attention::portable::add_weighted,
+        levels_f16: crate::attention::portable::levels_f16,
     },
     tiles: [None; WeightType::ALL.len()],
 };
@@ -489,6 +514,33 @@ impl Kernels {
         check_attention_rows(dim, out.len(), values.len(), weights.len(), stride);
         // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
         unsafe { (self.attention.add_weighted)(dim, weights, stride, values, out) }
+    }
+}
+
+/// The quantized KV cache's codes, read back as attention reads them.
+impl Kernels {
+    /// `out[j] = f16(min[j / group] + step[j / group] · (c_j · span + (span − 1)/2))`:
+    /// the levels of a [`CodeRow`], `c_j` its `j`-th code. `span` is `2^(8 − b)` for codes of `b`
+    /// bits in all (8 with `fine`): a narrow code stands for the midpoint of the
+    /// 8-bit codes it is the top bits of. The product is exact in f32 and the sum
+    /// rounds once before the f16 rounding (to nearest, ties to even), so every
+    /// table gives the same bits.
+    ///
+    /// # Panics
+    /// If `bits` is not 2, 4 or 8 (4 with `fine`), `codes` or `fine` hold fewer
+    /// than `out.len()` codes, `group` is neither 1 nor a multiple of 16, or
+    /// `min` and `step` do not hold one number per group.
+    pub fn levels_f16(&self, row: &CodeRow, out: &mut [f16]) {
+        let CodeRow { codes, bits, fine, group, min, step } = *row;
+        assert!(matches!((bits, fine.is_some()), (2 | 4 | 8, false) | (4, true)), "{bits}-bit codes");
+        let n = out.len();
+        assert!(codes.len() * 8 >= n * bits as usize, "{} bytes hold fewer than {n} codes", codes.len());
+        assert!(fine.is_none_or(|f| f.len() * 2 >= n), "fewer than {n} fine codes");
+        assert!(group == 1 || group.is_multiple_of(16), "groups of {group}");
+        let groups = n.div_ceil(group);
+        assert!(min.len() == groups && step.len() == groups, "{groups} groups need as many minima and steps");
+        // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
+        unsafe { (self.attention.levels_f16)(row, out) }
     }
 }
 

@@ -53,7 +53,7 @@ pub mod formats;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use dispatch::{kernels, select_isa, Isa, Kernels, ParseIsaError, SelectIsaError};
+pub use dispatch::{kernels, select_isa, CodeRow, Isa, Kernels, ParseIsaError, SelectIsaError};
 
 /// Element type of a weight tensor, named and numbered as GGML does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

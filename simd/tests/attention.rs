@@ -6,6 +6,7 @@ mod common;
 use common::*;
 use half::f16;
 use proptest::prelude::{any, prop_assert, proptest, ProptestConfig, TestCaseError};
+use simd::CodeRow;
 
 /// An f16 in roughly [-4, 4], as attention keys, values and rounded queries are.
 fn random_f16(rng: &mut Rng) -> f16 {
@@ -174,5 +175,69 @@ fn exp_flushes_tiny_results_and_ignores_padding() {
         assert_eq!(&x[..4], &[1.0, 0.0, 0.0, 0.0], "on {}", k.isa());
         assert!(close(x[4], (-1f64).exp(), 1.0, 2e-7), "on {}", k.isa());
         assert_eq!(sum, x[0] + x[4], "on {}", k.isa());
+    }
+}
+
+/// The reference reader of affine codes: the formula of `Kernels::levels_f16`,
+/// one element at a time.
+fn levels_reference(
+    codes: &[u8],
+    bits: u32,
+    fine: Option<&[u8]>,
+    group: usize,
+    min: &[f32],
+    step: &[f32],
+    n: usize,
+) -> Vec<f16> {
+    let code = |packed: &[u8], j: usize, width: u32| {
+        let bit = j * width as usize;
+        (packed[bit / 8] >> (bit % 8)) & ((1u16 << width) - 1) as u8
+    };
+    let kept = if fine.is_some() { 8 } else { bits };
+    let span = (1u32 << (8 - kept)) as f32;
+    (0..n)
+        .map(|j| {
+            let c = match fine {
+                Some(fine) => code(codes, j, bits) << 4 | code(fine, j, 4),
+                None => code(codes, j, bits),
+            };
+            let g = j / group;
+            f16::from_f32(min[g] + step[g] * (f32::from(c) * span + (span - 1.0) / 2.0))
+        })
+        .collect()
+}
+
+fn check_levels(n: usize, bits: u32, with_fine: bool, group: usize, seed: u64) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    let mut bytes = |len: usize| (0..len).map(|_| (rng.unit() * 256.0) as u8).collect::<Vec<u8>>();
+    let codes = bytes((n * bits as usize).div_ceil(8));
+    let fine = with_fine.then(|| bytes(n.div_ceil(2)));
+    let groups = n.div_ceil(group);
+    // Minima and steps as the cache stores them: f16 numbers.
+    let min: Vec<f32> = (0..groups).map(|_| f16::from_f64(rng.normal() * 4.0).to_f32()).collect();
+    let step: Vec<f32> = (0..groups).map(|_| f16::from_f64(rng.unit() / 16.0).to_f32()).collect();
+    let want = levels_reference(&codes, bits, fine.as_deref(), group, &min, &step, n);
+    for k in all_tables() {
+        let mut out = vec![f16::NAN; n];
+        let row = CodeRow { codes: &codes, bits, fine: fine.as_deref(), group, min: &min, step: &step };
+        k.levels_f16(&row, &mut out);
+        let (got, want): (Vec<u16>, Vec<u16>) =
+            (out.iter().map(|x| x.to_bits()).collect(), want.iter().map(|x| x.to_bits()).collect());
+        prop_assert!(got == want, "{n} {bits}-bit codes (fine: {with_fine}), groups of {group} on {}", k.isa());
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// The quantized cache's reader gives the reference's bits on every table,
+    /// for every width, with and without fine codes, per element and per group.
+    #[test]
+    fn levels_match_the_reference(
+        n in 0usize..=300, width in 0usize..4, per_group in any::<bool>(), seed in any::<u64>()
+    ) {
+        let (bits, fine) = [(2, false), (4, false), (8, false), (4, true)][width];
+        check_levels(n, bits, fine, if per_group { 32 } else { 1 }, seed)?;
     }
 }

@@ -50,7 +50,7 @@ pub struct AttentionBatch<'a> {
 
 /// Visible positions from which one group's keys are split among the threads,
 /// when the batch has too few groups to keep every thread busy (decoding).
-const SPLIT_MIN: usize = 1024;
+const SPLIT_MIN: usize = 512;
 
 /// The buffers of the thread that runs a group, kept across calls: its
 /// queries rounded to f16, its scores (then probabilities) per query head, and
@@ -75,14 +75,11 @@ struct Staged {
     positions: Range<usize>,
 }
 
-/// A thread's buffer for one coded page, dequantized.
-#[derive(Default)]
-struct Decoded(Vec<f32>);
-
 thread_local! {
     static GROUP: RefCell<GroupScratch> = RefCell::default();
     static STAGED: RefCell<Staged> = RefCell::default();
-    static DECODED: RefCell<Decoded> = RefCell::default();
+    /// A thread's minima and steps of the page it dequantizes.
+    static AFFINE: RefCell<Vec<f32>> = RefCell::default();
 }
 
 /// `out` gets `n_tokens` rows of `n_head * head_dim_v`: for every token and
@@ -151,16 +148,9 @@ impl Staged {
                 positions.start.max(page * PAGE) - page * PAGE..positions.end.min(page * PAGE + PAGE) - page * PAGE;
             let sketch = cache.sketch(head, page).expect("staged pages are coded");
             let coded = cache.coded_values(head, page).expect("staged pages are coded");
-            DECODED.with_borrow_mut(|Decoded(numbers)| {
-                let (keys, values) = (
-                    &mut keys[rows.start * dim_k..rows.end * dim_k],
-                    &mut values[rows.start * dim_v..rows.end * dim_v],
-                );
-                numbers.resize(keys.len().max(values.len()), 0.0);
-                sketch.dequantize_keys(rows.clone(), &mut numbers[..keys.len()]);
-                keys.convert_from_f32_slice(&numbers[..keys.len()]);
-                coded.dequantize_rows(rows, &mut numbers[..values.len()]);
-                values.convert_from_f32_slice(&numbers[..values.len()]);
+            AFFINE.with_borrow_mut(|affine| {
+                sketch.dequantize_keys(rows.clone(), &mut keys[rows.start * dim_k..rows.end * dim_k], affine);
+                coded.dequantize_rows(rows.clone(), &mut values[rows.start * dim_v..rows.end * dim_v], affine);
             });
         });
     }

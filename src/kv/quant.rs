@@ -19,6 +19,7 @@
 use std::ops::Range;
 
 use half::f16;
+use simd::CodeRow;
 
 /// Channels per value group (each token's values are quantized in groups).
 pub const VALUE_GROUP: usize = 32;
@@ -119,31 +120,6 @@ fn f16_up(x: f64) -> f16 {
     }
 }
 
-/// Numbers dequantized together: a value group, or a stretch of key
-/// channels. Their minima, steps and codes fit on the stack.
-pub const DEQUANT_CHUNK: usize = 32;
-
-/// `out[j] = min[j] + step[j]·o(codes[j])`, `o` the levels' offsets at width
-/// `bits`: the product is exact in f32 (11 by 9 significant bits) and the sum
-/// rounds once, as in [`Affine::level`]. Written for the vectorizer.
-pub fn levels(min: &[f32], step: &[f32], codes: &[u8], bits: Bits, out: &mut [f32]) {
-    let span = bits.span() as f32;
-    let half = (span - 1.0) / 2.0;
-    for (((o, &m), &s), &code) in out.iter_mut().zip(min).zip(step).zip(codes) {
-        *o = m + s * (f32::from(code) * span + half);
-    }
-}
-
-/// Unpacks a packed row's codes, one a byte, into `out` (as many as it holds).
-pub fn unpack_row(row: &[u8], bits: Bits, out: &mut [u8]) {
-    let per_byte = 8 / bits.get();
-    for (codes, &byte) in out.chunks_mut(per_byte).zip(row) {
-        for (j, code) in codes.iter_mut().enumerate() {
-            *code = (byte >> (j * bits.get())) & bits.max_code();
-        }
-    }
-}
-
 /// Bytes of `n` codes of width `bits`, packed.
 pub fn packed_len(n: usize, bits: Bits) -> usize {
     (n * bits.get()).div_ceil(8)
@@ -207,21 +183,20 @@ impl ValueRows {
         }
     }
 
-    /// Rows `rows`, dequantized one after another into `out` (as
-    /// [`Self::dequantize`] does one, a group at a time through [`levels`]).
-    pub fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
-        const { assert!(VALUE_GROUP == DEQUANT_CHUNK) };
+    /// Rows `rows`, rounded to f16 as attention reads them, one after
+    /// another into `out`: [`Self::dequantize`]'s numbers, through the SIMD
+    /// reader. `affine` is scratch for a row's minima and steps.
+    pub fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f16], affine: &mut Vec<f32>) {
         let (n_groups, len) = (self.dim.div_ceil(VALUE_GROUP), packed_len(self.dim, self.bits));
-        let group_len = packed_len(VALUE_GROUP, self.bits);
         for (row, out) in rows.zip(out.chunks_exact_mut(self.dim)) {
-            let codes = self.codes[row * len..][..len].chunks(group_len);
             let groups = &self.groups[row * n_groups..][..n_groups];
-            for ((out, packed), affine) in out.chunks_mut(VALUE_GROUP).zip(codes).zip(groups) {
-                let mut codes = [0u8; VALUE_GROUP];
-                unpack_row(packed, self.bits, &mut codes[..out.len()]);
-                let (min, step) = ([affine.min.to_f32(); VALUE_GROUP], [affine.step.to_f32(); VALUE_GROUP]);
-                levels(&min, &step, &codes, self.bits, out);
-            }
+            affine.clear();
+            affine.extend(groups.iter().map(|a| a.min.to_f32()));
+            affine.extend(groups.iter().map(|a| a.step.to_f32()));
+            let (min, step) = affine.split_at(n_groups);
+            let codes = &self.codes[row * len..][..len];
+            let row = CodeRow { codes, bits: self.bits.get() as u32, fine: None, group: VALUE_GROUP, min, step };
+            simd::kernels().levels_f16(&row, out);
         }
     }
 

@@ -42,10 +42,11 @@
 //! infinite, which is still true.
 
 use half::f16;
+use simd::CodeRow;
 
 use std::ops::Range;
 
-use super::quant::{levels, pack, packed_len, unpack, unpack_row, Affine, Bits, DEQUANT_CHUNK};
+use super::quant::{pack, packed_len, unpack, Affine, Bits};
 
 /// Tokens per page.
 pub const PAGE: usize = 64;
@@ -169,31 +170,22 @@ impl KeySketch {
         }
     }
 
-    /// Keys `rows` at all the kept bits, one after another into `out` (as
-    /// [`Self::dequantize_key`] does one, but [`DEQUANT_CHUNK`] channels at a
-    /// time through [`levels`]).
-    pub fn dequantize_keys(&self, rows: Range<usize>, out: &mut [f32]) {
+    /// Keys `rows` at all the kept bits, rounded to f16 as attention reads
+    /// them, one after another into `out`: [`Self::dequantize_key`]'s numbers,
+    /// through the SIMD reader. `affine` is scratch for the channels' minima
+    /// and steps.
+    pub fn dequantize_keys(&self, rows: Range<usize>, out: &mut [f16], affine: &mut Vec<f32>) {
         let (kept, scanned, dim) = (self.keys.kept(), self.keys.scanned(), self.dim);
         let (coarse_len, fine_len) = (packed_len(dim, scanned), packed_len(dim, Bits::Four));
-        for (first, channels) in (0..dim).step_by(DEQUANT_CHUNK).zip(self.channels.chunks(DEQUANT_CHUNK)) {
-            let n = channels.len();
-            let (mut min, mut step) = ([0.0; DEQUANT_CHUNK], [0.0; DEQUANT_CHUNK]);
-            for ((m, s), affine) in min.iter_mut().zip(&mut step).zip(channels) {
-                (*m, *s) = (affine.min.to_f32(), affine.step.to_f32());
-            }
-            for (i, out) in rows.clone().zip(out.chunks_exact_mut(dim)) {
-                let mut codes = [0u8; DEQUANT_CHUNK];
-                let coarse = &self.coarse[i * coarse_len + packed_len(first, scanned)..];
-                unpack_row(coarse, scanned, &mut codes[..n]);
-                if kept != scanned {
-                    let mut fine = [0u8; DEQUANT_CHUNK];
-                    unpack_row(&self.fine[i * fine_len + packed_len(first, Bits::Four)..], Bits::Four, &mut fine[..n]);
-                    for (code, low) in codes.iter_mut().zip(fine) {
-                        *code = *code << 4 | low;
-                    }
-                }
-                levels(&min[..n], &step[..n], &codes, kept, &mut out[first..first + n]);
-            }
+        affine.clear();
+        affine.extend(self.channels.iter().map(|a| a.min.to_f32()));
+        affine.extend(self.channels.iter().map(|a| a.step.to_f32()));
+        let (min, step) = affine.split_at(dim);
+        for (i, out) in rows.zip(out.chunks_exact_mut(dim)) {
+            let coarse = &self.coarse[i * coarse_len..][..coarse_len];
+            let fine = (kept != scanned).then(|| &self.fine[i * fine_len..][..fine_len]);
+            let row = CodeRow { codes: coarse, bits: scanned.get() as u32, fine, group: 1, min, step };
+            simd::kernels().levels_f16(&row, out);
         }
     }
 

@@ -72,6 +72,16 @@ impl Lanes<8> for __m256 {
         // SAFETY: see `splat`.
         unsafe { super::reduce8_ps(self) }
     }
+    #[inline(always)]
+    unsafe fn load_codes(packed: &[u8], bits: u32) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(code_bytes(packed, bits))) }
+    }
+    #[inline(always)]
+    unsafe fn store_f16(self, out: &mut [f16; 8]) {
+        // SAFETY: F16C is part of the AVX2 table's features.
+        *out = bytemuck::cast(unsafe { _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(self) });
+    }
 }
 
 impl Lanes<16> for __m512 {
@@ -136,6 +146,49 @@ impl Lanes<16> for __m512 {
         // SAFETY: see `splat`.
         unsafe { _mm512_reduce_add_ps(self) }
     }
+    #[inline(always)]
+    unsafe fn load_codes(packed: &[u8], bits: u32) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code_bytes(packed, bits))) }
+    }
+    #[inline(always)]
+    unsafe fn store_f16(self, out: &mut [f16; 16]) {
+        // SAFETY: see `splat`.
+        *out = bytemuck::cast(unsafe { _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(self) });
+    }
+}
+
+/// The first codes of `bits` bits packed in `packed` (lowest bits first),
+/// one a byte in order, as many as 16 bytes of `packed` hold.
+///
+/// # Safety
+/// The CPU must support AVX2 (both tables' callers run with it).
+#[inline(always)]
+unsafe fn code_bytes(packed: &[u8], bits: u32) -> __m128i {
+    let x: __m128i = match packed.first_chunk::<16>() {
+        Some(bytes) => bytemuck::cast(*bytes),
+        None => {
+            let mut bytes = [0u8; 16];
+            bytes[..packed.len()].copy_from_slice(packed);
+            bytemuck::cast(bytes)
+        }
+    };
+    // SAFETY: the caller runs with AVX2 (SSE2 and up).
+    unsafe {
+        let field =
+            |shift: i32, mask: i8| _mm_and_si128(_mm_srl_epi16(x, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(mask));
+        match bits {
+            8 => x,
+            // Element 2k is the low nibble of byte k, 2k + 1 the high one.
+            4 => _mm_unpacklo_epi8(field(0, 0x0f), field(4, 0x0f)),
+            // Elements 4k..4k + 4 are the bit pairs of byte k, lowest first.
+            2 => _mm_unpacklo_epi16(
+                _mm_unpacklo_epi8(field(0, 3), field(2, 3)),
+                _mm_unpacklo_epi8(field(4, 3), field(6, 3)),
+            ),
+            _ => unreachable!("codes are 2, 4 or 8 bits"),
+        }
+    }
 }
 
 /// Defines the module `$module` of table entries instantiating the attention kernels
@@ -151,6 +204,14 @@ macro_rules! attention_entries {
             pub(super) unsafe fn scores(dim: usize, queries: &[f32], keys: &[f16], out: &mut [f32], stride: usize) {
                 // SAFETY: this function enables the features.
                 unsafe { crate::attention::scores::<$V, $L>(dim, queries, keys, out, stride) }
+            }
+
+            /// # Safety
+            /// The CPU must support the features; lengths as `dispatch::LevelsF16Fn`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn levels_f16(row: &crate::dispatch::CodeRow, out: &mut [f16]) {
+                // SAFETY: this function enables the features.
+                unsafe { crate::attention::levels_f16::<$V, $L>(row, out) }
             }
 
             /// # Safety
@@ -183,9 +244,17 @@ attention_entries!(avx2, __m256, 8, "avx2,fma,f16c");
 attention_entries!(avx512, __m512, 16, "avx2,fma,f16c,avx512f,avx512bw,avx512vl");
 
 /// The AVX2 attention entries.
-pub(super) const AVX2: AttentionKernels =
-    AttentionKernels { scores: avx2::scores, softmax_exp: avx2::softmax_exp, add_weighted: avx2::add_weighted };
+pub(super) const AVX2: AttentionKernels = AttentionKernels {
+    scores: avx2::scores,
+    softmax_exp: avx2::softmax_exp,
+    add_weighted: avx2::add_weighted,
+    levels_f16: avx2::levels_f16,
+};
 
 /// The AVX-512 attention entries.
-pub(super) const AVX512: AttentionKernels =
-    AttentionKernels { scores: avx512::scores, softmax_exp: avx512::softmax_exp, add_weighted: avx512::add_weighted };
+pub(super) const AVX512: AttentionKernels = AttentionKernels {
+    scores: avx512::scores,
+    softmax_exp: avx512::softmax_exp,
+    add_weighted: avx512::add_weighted,
+    levels_f16: avx512::levels_f16,
+};
