@@ -78,6 +78,8 @@ struct Staged {
 thread_local! {
     static GROUP: RefCell<GroupScratch> = RefCell::default();
     static STAGED: RefCell<Staged> = RefCell::default();
+    /// The batch's own keys and values.
+    static OWN: RefCell<BatchRows> = RefCell::default();
     /// A thread's minima and steps of the page it dequantizes.
     static AFFINE: RefCell<Vec<f32>> = RefCell::default();
 }
@@ -91,7 +93,14 @@ thread_local! {
 /// positions, each group's positions are split among the threads instead.
 pub fn attend(batch: &AttentionBatch, cache: &PagedLayer, out: &mut [f32]) {
     let kernels = simd::kernels();
-    let own = BatchRows::new(batch);
+    OWN.with_borrow_mut(|own| {
+        own.fill(batch);
+        attend_with(kernels, batch, cache, own, out);
+    });
+}
+
+/// [`attend`], with the batch's own rows taken in.
+fn attend_with(kernels: &Kernels, batch: &AttentionBatch, cache: &PagedLayer, own: &BatchRows, out: &mut [f32]) {
     let n_kv_head = batch.n_head / batch.n_gqa;
     // The batch's first token sees the earliest positions of any.
     let (coded, first) = (cache.coded(), cache.visible(batch.pos0).start);
@@ -106,7 +115,7 @@ pub fn attend(batch: &AttentionBatch, cache: &PagedLayer, out: &mut [f32]) {
                 batch,
                 cache,
                 staged,
-                own: &own,
+                own,
                 kv_head: i % n_kv_head,
                 queries: &batch.queries[i * batch.n_gqa * batch.head_dim_k..][..batch.n_gqa * batch.head_dim_k],
                 visible: cache.visible(batch.pos0 + t),
@@ -170,6 +179,7 @@ impl Staged {
 
 /// The batch's keys and values in f16, per KV head: `[head][token][dim]`,
 /// so that a head's rows lie end to end.
+#[derive(Default)]
 struct BatchRows {
     keys: Vec<f16>,
     values: Vec<f16>,
@@ -179,25 +189,21 @@ struct BatchRows {
 }
 
 impl BatchRows {
-    fn new(batch: &AttentionBatch) -> Self {
+    /// Takes in `batch`'s keys and values, reusing the buffers.
+    fn fill(&mut self, batch: &AttentionBatch) {
         let n_tokens = batch.queries.len() / (batch.n_head * batch.head_dim_k);
-        let by_head = |rows: &[f32], dim: usize| {
-            let n_kv_head = batch.n_head / batch.n_gqa;
-            let mut out = vec![f16::ZERO; n_tokens * n_kv_head * dim];
+        let n_kv_head = batch.n_head / batch.n_gqa;
+        let by_head = |out: &mut Vec<f16>, rows: &[f32], dim: usize| {
+            out.resize(n_tokens * n_kv_head * dim, f16::ZERO);
             for (t, row) in rows.chunks_exact(n_kv_head * dim).take(n_tokens).enumerate() {
                 for (h, x) in row.chunks_exact(dim).enumerate() {
                     out[(h * n_tokens + t) * dim..][..dim].convert_from_f32_slice(x);
                 }
             }
-            out
         };
-        Self {
-            keys: by_head(batch.keys, batch.head_dim_k),
-            values: by_head(batch.values, batch.head_dim_v),
-            n_tokens,
-            dim_k: batch.head_dim_k,
-            dim_v: batch.head_dim_v,
-        }
+        by_head(&mut self.keys, batch.keys, batch.head_dim_k);
+        by_head(&mut self.values, batch.values, batch.head_dim_v);
+        (self.n_tokens, self.dim_k, self.dim_v) = (n_tokens, batch.head_dim_k, batch.head_dim_v);
     }
 
     /// The keys and values of `tokens` (batch indices) for one KV head.
