@@ -1,7 +1,9 @@
 //! Attention over an f16 key/value cache: the scores of a group of queries against a
 //! run of keys, the softmax's exponentials, and the probability-weighted sums of a run
 //! of values. A group is the query heads that share one KV head (grouped-query
-//! attention): each key and value is read and widened once for all of them.
+//! attention): each key and value is read and widened once for all of them. And the
+//! reader of the quantized cache's rows: affine codes back to the f16 numbers the
+//! other kernels take.
 //!
 //! # One body per kernel
 //!

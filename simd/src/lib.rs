@@ -2,7 +2,8 @@
 //! dot products of one weight row against one quantized activation row (or of many rows
 //! against many, a tile at a time: [`Kernels::dot_tile`]), and attention
 //! over an f16 key/value cache ([`Kernels::scores_f16`], [`Kernels::softmax_exp`],
-//! [`Kernels::add_weighted_f16`]).
+//! [`Kernels::add_weighted_f16`]), whose quantized rows [`Kernels::levels_f16`] reads
+//! back.
 //!
 //! # Contract
 //!
