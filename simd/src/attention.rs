@@ -216,6 +216,12 @@ pub(crate) unsafe fn scores<V: Lanes<L>, const L: usize>(
     in_groups!(queries.len(), score_group::<V, L>(&mut queries, keys, &mut outs));
 }
 
+/// The next `G` items of a group's rows; [`in_groups!`] leaves that many.
+#[inline(always)]
+fn next_group<T, const G: usize>(items: &mut impl Iterator<Item = T>) -> [T; G] {
+    core::array::from_fn(|_| items.next().expect("a whole group is left"))
+}
+
 /// The scores of the next `G` queries against every key, `R` keys per pass.
 ///
 /// # Safety
@@ -226,8 +232,7 @@ unsafe fn score_group<'a, V: Lanes<L>, const L: usize, const G: usize, const R: 
     keys: &[f16],
     outs: &mut impl Iterator<Item = &'a mut [f32]>,
 ) {
-    let qs: [&[f32]; G] = core::array::from_fn(|_| queries.next().expect("a query per group member"));
-    let mut outs: [&mut [f32]; G] = core::array::from_fn(|_| outs.next().expect("an output per query"));
+    let (qs, mut outs): ([&[f32]; G], [&mut [f32]; G]) = (next_group(queries), next_group(outs));
     let dim = qs[0].len();
     let n = outs[0].len();
     let mut j = 0;
@@ -402,8 +407,7 @@ unsafe fn add_weighted_group<'a, V: Lanes<L>, const L: usize, const G: usize, co
     values: &[f16],
     outs: &mut impl Iterator<Item = &'a mut [f32]>,
 ) {
-    let weights: [&[f32]; G] = core::array::from_fn(|_| weights.next().expect("weights per output"));
-    let mut outs: [&mut [f32]; G] = core::array::from_fn(|_| outs.next().expect("an output per weight row"));
+    let (weights, mut outs): ([&[f32]; G], [&mut [f32]; G]) = (next_group(weights), next_group(outs));
     let dim = outs[0].len();
     let n = weights[0].len();
     let (strips, narrow) = (dim / L / C, dim / L % C);
