@@ -202,23 +202,39 @@ fn every_mode_reads_back_within_its_step_and_attends_within_tolerance() {
 /// own keys and values are exact and whose older ones come from the cache.
 ///
 /// The tolerance is [`check_attention`]'s, widened by what the kernels round:
-/// coded rows are read as f16 (half an f16 ulp, `2^-11` relative, more on
-/// every key channel and value), scores are f32 sums (under `10^-5` of
-/// `Σ |q_c·k_c|`, added to each score's bound), and the probabilities are
+/// a batch that stages coded rows reads them as f16 (half an f16 ulp,
+/// `2^-11` relative, more on every key channel and value; a small batch
+/// reads the codes' levels themselves), scores are f32 sums (under `10^-5`
+/// of `Σ |q_c·k_c|`, added to each score's bound), and the probabilities are
 /// rounded to f16 and summed in f32 (under `2^-10` of `Σ a_i·|v_ic|`). The
 /// queries are f16 numbers, so rounding them changes nothing.
 #[test]
 fn dense_attention_matches_f64_in_every_mode() {
-    // A prefill batch, and a decoding step whose one group of heads sees
-    // enough positions to be split among the threads.
-    check_dense_attention(2, 2, 32, 7 * PAGE + 13);
+    // Prefill batches, which stage coded rows, and smaller ones (decoding
+    // steps), which read the codes in place; under 512 visible positions the
+    // groups are not split among the threads.
+    check_dense_attention(2, 2, 32, 7 * PAGE + 13, Read::Staged);
+    check_dense_attention(2, 2, 3, 7 * PAGE + 13, Read::InPlace);
+    check_dense_attention(2, 2, 1, 7 * PAGE + 13, Read::InPlace);
+    // Decoding steps and a short batch whose groups see enough positions to
+    // be split among the threads.
     let pool = rayon::ThreadPoolBuilder::new().num_threads(3).build().unwrap();
-    pool.install(|| check_dense_attention(1, 4, 1, 23 * PAGE + 5));
+    pool.install(|| check_dense_attention(1, 4, 1, 23 * PAGE + 5, Read::InPlace));
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
+    pool.install(|| check_dense_attention(1, 4, 4, 23 * PAGE + 5, Read::Staged));
+}
+
+/// How `attend` reads coded rows for a batch: from f16 staging (batches of
+/// 4 tokens or more) or in place.
+#[derive(Clone, Copy, PartialEq)]
+enum Read {
+    Staged,
+    InPlace,
 }
 
 /// `attend` over `len` positions of `n_kv_head` heads of `n_gqa` queries
 /// each, the last `batch` of them a batch, against f64.
-fn check_dense_attention(n_kv_head: usize, n_gqa: usize, batch: usize, len: usize) {
+fn check_dense_attention(n_kv_head: usize, n_gqa: usize, batch: usize, len: usize, read: Read) {
     let shape = shape(n_kv_head, 64, 80);
     let n_head = n_kv_head * n_gqa;
     let tokens = Tokens::new(11, len, &shape);
@@ -276,21 +292,20 @@ fn check_dense_attention(n_kv_head: usize, n_gqa: usize, batch: usize, len: usiz
                     value.copy_from_slice(exact_v);
                     (vec![0.0; 64], vec![0.0; 80])
                 };
-                let half = |x: f32| f16::from_f32(x).to_f32();
+                // Exact rows are f16 already, and in place codes read as
+                // their levels: only staging rounds.
+                let staged = read == Read::Staged && pos < pos0;
+                let half = |x: f32| if staged { f16::from_f32(x).to_f32() } else { x };
+                let rounding = |x: f32| if staged { 2f64.powi(-11) * x.abs() as f64 + 2f64.powi(-25) } else { 0.0 };
                 let read_k: Vec<f32> = key.iter().map(|&k| half(k)).collect();
                 let read_v: Vec<f32> = value.iter().map(|&v| half(v)).collect();
                 let q64: Vec<f64> = q.iter().map(|&x| x as f64).collect();
                 scores.push(dot(&q64, exact_k));
                 let score_bound: f64 = (0..64)
-                    .map(|c| {
-                        let read = 2f64.powi(-11) * key[c].abs() as f64 + 2f64.powi(-25);
-                        q64[c].abs() * (e[c] + read) + 1e-5 * (q64[c] * read_k[c] as f64).abs()
-                    })
+                    .map(|c| q64[c].abs() * (e[c] + rounding(key[c])) + 1e-5 * (q64[c] * read_k[c] as f64).abs())
                     .sum();
                 eps = eps.max(score_bound + 1e-6);
-                value_bounds.push(
-                    (0..80).map(|c| f[c] + 2f64.powi(-11) * value[c].abs() as f64 + 2f64.powi(-25)).collect::<Vec<_>>(),
-                );
+                value_bounds.push((0..80).map(|c| f[c] + rounding(value[c])).collect::<Vec<_>>());
                 values_q.push(read_v);
             }
             let a = softmax(&scores);

@@ -1,9 +1,12 @@
 //! Attention over an f16 key/value cache: the scores of a group of queries against a
 //! run of keys, the softmax's exponentials, and the probability-weighted sums of a run
 //! of values. A group is the query heads that share one KV head (grouped-query
-//! attention): each key and value is read and widened once for all of them. And the
-//! reader of the quantized cache's rows: affine codes back to the f16 numbers the
-//! other kernels take.
+//! attention): each key and value is read and widened once for all of them.
+//!
+//! The rows come from a [`RowSource`]: f16 rows, or the quantized cache's affine
+//! codes ([`CodeRows`]), read as their levels in f32 lanes where the kernels load
+//! them, so that a decoding step reads the codes in place. [`levels_f16`] writes the
+//! same levels out as f16, for a batch that stages them once for many queries.
 //!
 //! # One body per kernel
 //!
@@ -23,7 +26,7 @@
 
 use half::f16;
 
-use crate::dispatch::CodeRow;
+use crate::dispatch::CodeRows;
 use crate::formats::f16_to_f32;
 use crate::formats::float32::fold;
 
@@ -57,6 +60,9 @@ pub(crate) trait Lanes<const L: usize>: Copy {
     /// The first `L` codes of `bits` bits (2, 4 or 8) packed lowest bits
     /// first in `packed` (at least `L · bits / 8` bytes), as f32.
     unsafe fn load_codes(packed: &[u8], bits: u32) -> Self;
+    /// The first `L` 8-bit codes whose top 4 bits are 4-bit codes in `coarse` and
+    /// whose low 4 are those in `fine` (packed as for `load_codes`), as f32.
+    unsafe fn load_split_codes(coarse: &[u8], fine: &[u8]) -> Self;
     /// The lanes rounded to the nearest f16 (ties to even).
     unsafe fn store_f16(self, out: &mut [f16; L]);
 }
@@ -151,6 +157,14 @@ impl Lanes<16> for Portable {
         Portable(out)
     }
     #[inline(always)]
+    unsafe fn load_split_codes(coarse: &[u8], fine: &[u8]) -> Self {
+        let mut out = [0.0; 16];
+        for (j, o) in out.iter_mut().enumerate() {
+            *o = f32::from(code(coarse, j, 4) << 4 | code(fine, j, 4));
+        }
+        Portable(out)
+    }
+    #[inline(always)]
     unsafe fn store_f16(self, out: &mut [f16; 16]) {
         for (o, &x) in out.iter_mut().zip(&self.0) {
             *o = f16::from_f32(x);
@@ -173,6 +187,234 @@ fn pad<T: Copy, const L: usize>(x: &[T], fill: T) -> [T; L] {
     out
 }
 
+/// Rows of numbers the kernels read `L` at a time: the cache's f16 rows, or its affine
+/// codes as their levels. Each kernel is written once over it.
+pub(crate) trait RowSource: Copy {
+    /// One row's reader.
+    type Row: LaneRow;
+    /// Numbers per row.
+    fn dim(&self) -> usize;
+    /// Rows held.
+    fn rows(&self) -> usize;
+    /// Row `r`, below [`RowSource::rows`].
+    fn row(&self, r: usize) -> Self::Row;
+}
+
+/// One row of a [`RowSource`].
+pub(crate) trait LaneRow: Copy {
+    /// Numbers `j..j + L` of the row as lanes; the row holds them all.
+    ///
+    /// # Safety
+    /// As [`Lanes`].
+    unsafe fn lanes<V: Lanes<L>, const L: usize>(self, j: usize) -> V;
+
+    /// The row's last numbers, from `j` on (fewer than `L`), as lanes with zeros after
+    /// them. Apart from the kernels' loops, so that those load whole vectors only.
+    ///
+    /// # Safety
+    /// As [`Lanes`].
+    unsafe fn tail<V: Lanes<L>, const L: usize>(self, j: usize) -> V;
+}
+
+/// Rows of `dim` halves, end to end.
+#[derive(Clone, Copy)]
+pub(crate) struct HalfRows<'a> {
+    pub(crate) dim: usize,
+    pub(crate) halves: &'a [f16],
+}
+
+impl<'a> RowSource for HalfRows<'a> {
+    type Row = &'a [f16];
+
+    fn dim(&self) -> usize {
+        self.dim
+    }
+
+    fn rows(&self) -> usize {
+        self.halves.len() / self.dim
+    }
+
+    #[inline(always)]
+    fn row(&self, r: usize) -> &'a [f16] {
+        &self.halves[r * self.dim..][..self.dim]
+    }
+}
+
+impl LaneRow for &[f16] {
+    #[inline(always)]
+    unsafe fn lanes<V: Lanes<L>, const L: usize>(self, j: usize) -> V {
+        // SAFETY: the caller's ISA guarantee is passed on.
+        unsafe { V::load_f16(whole(&self[j..])) }
+    }
+
+    #[inline(always)]
+    unsafe fn tail<V: Lanes<L>, const L: usize>(self, j: usize) -> V {
+        // SAFETY: the caller's ISA guarantee is passed on.
+        unsafe { V::load_f16(&pad(&self[j..], f16::ZERO)) }
+    }
+}
+
+/// The first `L` items of `x`, which has them.
+#[inline(always)]
+fn whole<T, const L: usize>(x: &[T]) -> &[T; L] {
+    x.first_chunk::<L>().expect("a whole vector is left")
+}
+
+/// [`CodeRows`] of one format, fixed at compile time so that the kernels' loops test
+/// none of it: codes of `BITS` bits, `FINE` codes beside them or not, minima and
+/// steps `SHARED` by every row (group 1) or each row's own.
+#[derive(Clone, Copy)]
+pub(crate) struct Coded<'a, const BITS: u32, const FINE: bool, const SHARED: bool>(CodeRows<'a>);
+
+/// Evaluates `$body` with `$coded` the [`Coded`] rows of `$rows`'s format.
+macro_rules! with_format {
+    ($rows:expr, |$coded:ident| $body:expr) => {{
+        let rows: CodeRows = *$rows;
+        match (rows.bits, rows.fine.is_some(), rows.group == 1) {
+            (2, false, true) => {
+                let $coded = Coded::<2, false, true>(rows);
+                $body
+            }
+            (2, false, false) => {
+                let $coded = Coded::<2, false, false>(rows);
+                $body
+            }
+            (4, false, true) => {
+                let $coded = Coded::<4, false, true>(rows);
+                $body
+            }
+            (4, false, false) => {
+                let $coded = Coded::<4, false, false>(rows);
+                $body
+            }
+            (4, true, true) => {
+                let $coded = Coded::<4, true, true>(rows);
+                $body
+            }
+            (4, true, false) => {
+                let $coded = Coded::<4, true, false>(rows);
+                $body
+            }
+            (8, false, true) => {
+                let $coded = Coded::<8, false, true>(rows);
+                $body
+            }
+            (8, false, false) => {
+                let $coded = Coded::<8, false, false>(rows);
+                $body
+            }
+            _ => unreachable!("the table's caller checks the format"),
+        }
+    }};
+}
+
+/// One row of [`Coded`] rows, with its own minima and steps.
+#[derive(Clone, Copy)]
+pub(crate) struct CodeRow<'a, const BITS: u32, const FINE: bool, const SHARED: bool> {
+    dim: usize,
+    codes: &'a [u8],
+    /// Empty without `FINE`.
+    fine: &'a [u8],
+    /// The group is `2^shift` elements (unless `SHARED`).
+    shift: u32,
+    min: &'a [f32],
+    step: &'a [f32],
+}
+
+impl<'a, const BITS: u32, const FINE: bool, const SHARED: bool> RowSource for Coded<'a, BITS, FINE, SHARED> {
+    type Row = CodeRow<'a, BITS, FINE, SHARED>;
+
+    fn dim(&self) -> usize {
+        self.0.dim
+    }
+
+    fn rows(&self) -> usize {
+        self.0.codes.len() / self.0.row_bytes()
+    }
+
+    #[inline(always)]
+    fn row(&self, r: usize) -> Self::Row {
+        let CodeRows { dim, codes, fine, group, min, step, .. } = self.0;
+        let affine = |x: &'a [f32]| if SHARED { x } else { per_row(x, r, dim.div_ceil(group)) };
+        CodeRow {
+            dim,
+            codes: per_row(codes, r, (dim * BITS as usize).div_ceil(8)),
+            fine: if FINE { per_row(fine.unwrap_or_default(), r, dim.div_ceil(2)) } else { &[] },
+            shift: group.trailing_zeros(),
+            min: affine(min),
+            step: affine(step),
+        }
+    }
+}
+
+/// Row `r` of rows of `len` items.
+#[inline(always)]
+fn per_row<T>(x: &[T], r: usize, len: usize) -> &[T] {
+    &x[r * len..][..len]
+}
+
+impl<const BITS: u32, const FINE: bool, const SHARED: bool> CodeRow<'_, BITS, FINE, SHARED> {
+    /// The levels `min + step · (c · span + (span − 1)/2)` of codes `c` (all 8 bits
+    /// with `FINE`) in one multiply-add: the product is exact (an f16 step by at most 9
+    /// significant bits), so the sum rounds once, as in `sift`'s scalar reader.
+    ///
+    /// # Safety
+    /// As [`Lanes`].
+    #[inline(always)]
+    unsafe fn levels<V: Lanes<L>, const L: usize>(c: V, min: V, step: V) -> V {
+        // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
+        unsafe {
+            let offset = if FINE || BITS == 8 {
+                c
+            } else {
+                let span = (1u32 << (8 - BITS)) as f32;
+                c.mul_add(V::splat(span), V::splat((span - 1.0) / 2.0))
+            };
+            step.mul_add(offset, min)
+        }
+    }
+}
+
+impl<const BITS: u32, const FINE: bool, const SHARED: bool> LaneRow for CodeRow<'_, BITS, FINE, SHARED> {
+    #[inline(always)]
+    unsafe fn lanes<V: Lanes<L>, const L: usize>(self, j: usize) -> V {
+        // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
+        unsafe {
+            let c = if FINE {
+                V::load_split_codes(&self.codes[j / 2..], &self.fine[j / 2..])
+            } else {
+                V::load_codes(&self.codes[j * BITS as usize / 8..], BITS)
+            };
+            let (min, step) = if SHARED {
+                (V::load(whole(&self.min[j..])), V::load(whole(&self.step[j..])))
+            } else {
+                let g = j >> self.shift;
+                (V::splat(self.min[g]), V::splat(self.step[g]))
+            };
+            Self::levels(c, min, step)
+        }
+    }
+
+    /// Past the row's end the minima and steps are zeros, and so are the levels.
+    #[inline(always)]
+    unsafe fn tail<V: Lanes<L>, const L: usize>(self, j: usize) -> V {
+        // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
+        unsafe {
+            let mut c = code_lanes::<V, L>(self.codes, j, BITS);
+            if FINE {
+                c = c.mul_add(V::splat(16.0), code_lanes::<V, L>(self.fine, j, 4));
+            }
+            let (min, step) = if SHARED {
+                (V::load(&pad(&self.min[j..], 0.0)), V::load(&pad(&self.step[j..], 0.0)))
+            } else {
+                let (g, n) = (j >> self.shift, self.dim - j);
+                (V::load(&pad(&[self.min[g]; L][..n], 0.0)), V::load(&pad(&[self.step[g]; L][..n], 0.0)))
+            };
+            Self::levels(c, min, step)
+        }
+    }
+}
+
 /// Calls `$group::<V, L, G, W>(args)` while `$left` heads remain, on groups
 /// of `G` = 4, 2 or 1 heads, with `W` (the keys or value vectors per pass)
 /// chosen so that `G · W` accumulators fit the registers.
@@ -191,27 +433,26 @@ macro_rules! in_groups {
 }
 
 /// `out[h · stride + j] = queries[h] · keys[j]` for each query `h` and key `j`, where
-/// `queries` and `keys` hold rows of `dim` elements.
+/// `queries` holds rows as long as the keys'.
 ///
 /// The queries are taken a group at a time (those of one KV head, in attention), so
 /// that each key is loaded and widened once for the whole group.
 ///
 /// # Safety
-/// As [`Lanes`]. `dim > 0`; `queries.len()` and `keys.len()` are multiples of `dim`;
-/// `stride ≥ keys.len() / dim` and `out` reaches the last query's last key.
+/// As [`Lanes`]. `queries.len()` is a multiple of `keys.dim() > 0`; `stride ≥
+/// keys.rows()` and `out` reaches the last query's last key.
 #[inline(always)]
 pub(crate) unsafe fn scores<V: Lanes<L>, const L: usize>(
-    dim: usize,
     queries: &[f32],
-    keys: &[f16],
+    keys: impl RowSource,
     out: &mut [f32],
     stride: usize,
 ) {
-    let n = keys.len() / dim;
+    let n = keys.rows();
     if n == 0 {
         return;
     }
-    let mut queries = queries.chunks_exact(dim);
+    let mut queries = queries.chunks_exact(keys.dim());
     let mut outs = out.chunks_mut(stride).map(|o| &mut o[..n]);
     in_groups!(queries.len(), score_group::<V, L>(&mut queries, keys, &mut outs));
 }
@@ -229,15 +470,14 @@ fn next_group<T, const G: usize>(items: &mut impl Iterator<Item = T>) -> [T; G] 
 #[inline(always)]
 unsafe fn score_group<'a, V: Lanes<L>, const L: usize, const G: usize, const R: usize>(
     queries: &mut impl Iterator<Item = &'a [f32]>,
-    keys: &[f16],
+    keys: impl RowSource,
     outs: &mut impl Iterator<Item = &'a mut [f32]>,
 ) {
     let (qs, mut outs): ([&[f32]; G], [&mut [f32]; G]) = (next_group(queries), next_group(outs));
-    let dim = qs[0].len();
     let n = outs[0].len();
     let mut j = 0;
     while j + R <= n {
-        let rows = core::array::from_fn(|r| &keys[(j + r) * dim..][..dim]);
+        let rows = core::array::from_fn(|r| keys.row(j + r));
         // SAFETY: the caller's ISA guarantee is passed on.
         let sums = unsafe { score_keys::<V, L, G, R>(qs, rows) };
         for (out, sums) in outs.iter_mut().zip(sums) {
@@ -247,36 +487,34 @@ unsafe fn score_group<'a, V: Lanes<L>, const L: usize, const G: usize, const R: 
     }
     for j in j..n {
         // SAFETY: as above.
-        let sums = unsafe { score_keys::<V, L, G, 1>(qs, [&keys[j * dim..][..dim]]) };
+        let sums = unsafe { score_keys::<V, L, G, 1>(qs, [keys.row(j)]) };
         for (out, [s]) in outs.iter_mut().zip(sums) {
             out[j] = s;
         }
     }
 }
 
-/// `q · key` for each of `G` queries and `R` keys of `dim` elements, in one pass: each
-/// (query, key) pair keeps its own accumulator, so the pass runs `G · R` independent
-/// multiply-add chains, and every key vector is widened once.
+/// `q · key` for each of `G` queries and `R` keys as long as the queries, in one pass:
+/// each (query, key) pair keeps its own accumulator, so the pass runs `G · R`
+/// independent multiply-add chains, and every key vector is loaded once.
 ///
 /// # Safety
 /// As [`Lanes`].
 #[inline(always)]
 unsafe fn score_keys<V: Lanes<L>, const L: usize, const G: usize, const R: usize>(
     queries: [&[f32]; G],
-    keys: [&[f16]; R],
+    keys: [impl LaneRow; R],
 ) -> [[f32; R]; G] {
     let queries = queries.map(|q| q.as_chunks::<L>());
-    let keys = keys.map(|k| k.as_chunks::<L>());
-    let (chunks, tail) = (keys[0].0.len(), keys[0].1.len());
+    let (chunks, tail) = (queries[0].0.len(), queries[0].1.len());
     assert!(queries.iter().all(|(body, rest)| body.len() == chunks && rest.len() == tail));
-    assert!(keys.iter().all(|(body, rest)| body.len() == chunks && rest.len() == tail));
     // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
     unsafe {
         let mut acc = [[V::splat(0.0); R]; G];
         for c in 0..chunks {
             let mut k = [V::splat(0.0); R];
-            for (k, (body, _)) in k.iter_mut().zip(&keys) {
-                *k = V::load_f16(&body[c]);
+            for (k, row) in k.iter_mut().zip(keys) {
+                *k = row.lanes(c * L);
             }
             for (acc, (body, _)) in acc.iter_mut().zip(&queries) {
                 let q = V::load(&body[c]);
@@ -287,8 +525,8 @@ unsafe fn score_keys<V: Lanes<L>, const L: usize, const G: usize, const R: usize
         }
         if tail > 0 {
             let mut k = [V::splat(0.0); R];
-            for (k, (_, rest)) in k.iter_mut().zip(&keys) {
-                *k = V::load_f16(&pad(rest, f16::ZERO));
+            for (k, row) in k.iter_mut().zip(keys) {
+                *k = row.tail(chunks * L);
             }
             for (acc, (_, rest)) in acc.iter_mut().zip(&queries) {
                 let q = V::load(&pad(rest, 0.0));
@@ -369,31 +607,30 @@ unsafe fn exp<V: Lanes<L>, const L: usize>(x: V) -> V {
 }
 
 /// `out[h] += Σⱼ weights[h · stride + j] · values[j]` for each output row `h`, where
-/// `values` and `out` hold rows of `dim` elements.
+/// `out` holds rows as long as the values'.
 ///
 /// The output rows are taken a group at a time (the query heads of one KV head, in
-/// attention), so that each value vector is loaded and widened once for the group. The
-/// rows are walked [`VALUE_BLOCK`] at a time, and each block strip by strip: a strip of
-/// output vectors stays in registers while the block's rows are added into it. Every
-/// output element still sums its rows in order.
+/// attention), so that each value vector is loaded once for the group. The rows are
+/// walked [`VALUE_BLOCK`] at a time, and each block strip by strip: a strip of output
+/// vectors stays in registers while the block's rows are added into it. Every output
+/// element still sums its rows in order.
 ///
 /// # Safety
-/// As [`Lanes`]. `dim > 0`; `values.len()` and `out.len()` are multiples of `dim`;
-/// `stride ≥ values.len() / dim` and `weights` reaches the last row's last weight.
+/// As [`Lanes`]. `out.len()` is a multiple of `values.dim() > 0`; `stride ≥
+/// values.rows()` and `weights` reaches the last row's last weight.
 #[inline(always)]
 pub(crate) unsafe fn add_weighted<V: Lanes<L>, const L: usize>(
-    dim: usize,
     weights: &[f32],
     stride: usize,
-    values: &[f16],
+    values: impl RowSource,
     out: &mut [f32],
 ) {
-    let n = values.len() / dim;
+    let n = values.rows();
     if n == 0 {
         return;
     }
     let mut weights = weights.chunks(stride).map(|w| &w[..n]);
-    let mut outs = out.chunks_exact_mut(dim);
+    let mut outs = out.chunks_exact_mut(values.dim());
     in_groups!(outs.len(), add_weighted_group::<V, L>(&mut weights, values, &mut outs));
 }
 
@@ -404,7 +641,7 @@ pub(crate) unsafe fn add_weighted<V: Lanes<L>, const L: usize>(
 #[inline(always)]
 unsafe fn add_weighted_group<'a, V: Lanes<L>, const L: usize, const G: usize, const C: usize>(
     weights: &mut impl Iterator<Item = &'a [f32]>,
-    values: &[f16],
+    values: impl RowSource,
     outs: &mut impl Iterator<Item = &'a mut [f32]>,
 ) {
     let (weights, mut outs): ([&[f32]; G], [&mut [f32]; G]) = (next_group(weights), next_group(outs));
@@ -413,38 +650,37 @@ unsafe fn add_weighted_group<'a, V: Lanes<L>, const L: usize, const G: usize, co
     let (strips, narrow) = (dim / L / C, dim / L % C);
     for first in (0..n).step_by(VALUE_BLOCK) {
         let rows = first..n.min(first + VALUE_BLOCK);
-        let block = &values[rows.start * dim..rows.end * dim];
         let block_weights = weights.map(|w| &w[rows.clone()]);
         let mut col = 0;
         for _ in 0..strips {
             // SAFETY: the caller's ISA guarantee is passed on.
-            unsafe { add_weighted_strip::<V, L, G, C>(block_weights, block, col, &mut outs) };
+            unsafe { add_weighted_strip::<V, L, G, C>(block_weights, values, first, col, &mut outs) };
             col += C * L;
         }
         for _ in 0..narrow {
             // SAFETY: as above.
-            unsafe { add_weighted_strip::<V, L, G, 1>(block_weights, block, col, &mut outs) };
+            unsafe { add_weighted_strip::<V, L, G, 1>(block_weights, values, first, col, &mut outs) };
             col += L;
         }
         if col < dim {
             // SAFETY: as above.
-            unsafe { add_weighted_tail::<V, L, G>(block_weights, block, col, &mut outs) };
+            unsafe { add_weighted_tail::<V, L, G>(block_weights, values, first, col, &mut outs) };
         }
     }
 }
 
-/// `outs[h][col..col + C·L] += Σⱼ weights[h][j] · rows[j][col..col + C·L]`.
+/// `outs[h][col..col + C·L] += Σⱼ weights[h][j] · values[first + j][col..col + C·L]`.
 ///
 /// # Safety
 /// As [`Lanes`].
 #[inline(always)]
 unsafe fn add_weighted_strip<V: Lanes<L>, const L: usize, const G: usize, const C: usize>(
     weights: [&[f32]; G],
-    rows: &[f16],
+    values: impl RowSource,
+    first: usize,
     col: usize,
     outs: &mut [&mut [f32]; G],
 ) {
-    let dim = outs[0].len();
     // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
     unsafe {
         let mut acc = [[V::splat(0.0); C]; G];
@@ -454,11 +690,11 @@ unsafe fn add_weighted_strip<V: Lanes<L>, const L: usize, const G: usize, const 
                 *acc = V::load(o);
             }
         }
-        for (j, row) in rows.chunks_exact(dim).enumerate() {
+        for j in 0..weights[0].len() {
+            let row = values.row(first + j);
             let mut v = [V::splat(0.0); C];
-            let (strip, _) = row[col..][..C * L].as_chunks::<L>();
-            for (v, x) in v.iter_mut().zip(strip) {
-                *v = V::load_f16(x);
+            for (i, v) in v.iter_mut().enumerate() {
+                *v = row.lanes(col + i * L);
             }
             for (acc, w) in acc.iter_mut().zip(&weights) {
                 let w = V::splat(w[j]);
@@ -483,7 +719,8 @@ unsafe fn add_weighted_strip<V: Lanes<L>, const L: usize, const G: usize, const 
 #[inline(always)]
 unsafe fn add_weighted_tail<V: Lanes<L>, const L: usize, const G: usize>(
     weights: [&[f32]; G],
-    rows: &[f16],
+    values: impl RowSource,
+    first: usize,
     col: usize,
     outs: &mut [&mut [f32]; G],
 ) {
@@ -493,8 +730,8 @@ unsafe fn add_weighted_tail<V: Lanes<L>, const L: usize, const G: usize>(
         for (out, w) in outs.iter_mut().zip(&weights) {
             let mut padded = pad(&out[col..], 0.0);
             let mut acc = V::load(&padded);
-            for (row, &w) in rows.chunks_exact(dim).zip(*w) {
-                acc = V::load_f16(&pad(&row[col..], f16::ZERO)).mul_add(V::splat(w), acc);
+            for (j, &w) in w.iter().enumerate() {
+                acc = values.row(first + j).tail::<V, L>(col).mul_add(V::splat(w), acc);
             }
             acc.store(&mut padded);
             out[col..].copy_from_slice(&padded[..dim - col]);
@@ -502,39 +739,68 @@ unsafe fn add_weighted_tail<V: Lanes<L>, const L: usize, const G: usize>(
     }
 }
 
-/// The f16 levels of one row of affine codes (the quantized KV cache's):
-/// `out[j] = f16(min[j / group] + step[j / group] · (c_j · span + (span − 1)/2))`
-/// with `c_j` the `j`-th code of `bits` bits in `codes`, or, given `fine`,
-/// `16 · c_j + f_j` with `f_j` its 4-bit code there; `span` is `2^(8 − b)` for
-/// codes of `b` bits in all (8 with `fine`). The product is exact in f32 and
-/// the sum rounds once, then the f16 rounding: as `sift`'s scalar reader.
+/// [`scores`] of the levels of [`CodeRows`] (see [`LaneRow::lanes`] of a [`CodeRow`]).
 ///
 /// # Safety
-/// As [`Lanes`]. `bits` is 2, 4 or 8 (4 with `fine`); `codes` (and `fine`)
-/// hold at least `out.len()` codes; `group` is 1 or a multiple of `L`, and
-/// `min` and `step` hold `out.len().div_ceil(group)` numbers.
+/// As [`scores`]; `keys` describes whole rows (as `Kernels::scores_coded` checks).
 #[inline(always)]
-pub(crate) unsafe fn levels_f16<V: Lanes<L>, const L: usize>(row: &CodeRow, out: &mut [f16]) {
-    let CodeRow { codes, bits, fine, group, min, step } = *row;
-    let kept = if fine.is_some() { 8 } else { bits };
-    let span = (1u32 << (8 - kept)) as f32;
-    let half = (span - 1.0) / 2.0;
-    for j in (0..out.len()).step_by(L) {
-        // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
-        unsafe {
-            let mut c = code_lanes::<V, L>(codes, j, bits);
-            if let Some(fine) = fine {
-                c = c.mul(V::splat(16.0)).add(code_lanes::<V, L>(fine, j, 4));
-            }
-            let offset = c.mul(V::splat(span)).add(V::splat(half));
-            let level = affine_lanes::<V, L>(min, j, group).add(affine_lanes::<V, L>(step, j, group).mul(offset));
-            match out[j..].first_chunk_mut::<L>() {
-                Some(o) => level.store_f16(o),
-                None => {
-                    let mut padded = [f16::ZERO; L];
-                    level.store_f16(&mut padded);
-                    let tail = &mut out[j..];
-                    tail.copy_from_slice(&padded[..tail.len()]);
+pub(crate) unsafe fn scores_coded<V: Lanes<L>, const L: usize>(
+    queries: &[f32],
+    keys: &CodeRows,
+    out: &mut [f32],
+    stride: usize,
+) {
+    // SAFETY: the caller's guarantees are passed on.
+    with_format!(keys, |keys| unsafe { scores::<V, L>(queries, keys, out, stride) })
+}
+
+/// [`add_weighted`] of the levels of [`CodeRows`], as [`scores_coded`] reads them.
+///
+/// # Safety
+/// As [`add_weighted`]; `values` describes whole rows (as `Kernels::add_weighted_coded`
+/// checks).
+#[inline(always)]
+pub(crate) unsafe fn add_weighted_coded<V: Lanes<L>, const L: usize>(
+    weights: &[f32],
+    stride: usize,
+    values: &CodeRows,
+    out: &mut [f32],
+) {
+    // SAFETY: the caller's guarantees are passed on.
+    with_format!(values, |values| unsafe { add_weighted::<V, L>(weights, stride, values, out) })
+}
+
+/// The levels of [`CodeRows`] (see [`LaneRow::lanes`] of a [`CodeRow`]) rounded to
+/// f16, row after row.
+///
+/// # Safety
+/// As [`Lanes`]. `rows` describes whole rows (as `Kernels::levels_f16` checks) and `out`
+/// holds as many.
+#[inline(always)]
+pub(crate) unsafe fn levels_f16<V: Lanes<L>, const L: usize>(rows: &CodeRows, out: &mut [f16]) {
+    // SAFETY: the caller's guarantees are passed on.
+    with_format!(rows, |rows| unsafe { store_levels::<V, L>(rows, out) })
+}
+
+/// [`levels_f16`] of one format.
+///
+/// # Safety
+/// As [`levels_f16`].
+#[inline(always)]
+unsafe fn store_levels<V: Lanes<L>, const L: usize>(rows: impl RowSource, out: &mut [f16]) {
+    for (r, out) in out.chunks_exact_mut(rows.dim()).enumerate() {
+        let row = rows.row(r);
+        for j in (0..out.len()).step_by(L) {
+            // SAFETY: the caller's ISA guarantee covers every `Lanes` call below.
+            unsafe {
+                match out[j..].first_chunk_mut::<L>() {
+                    Some(o) => row.lanes::<V, L>(j).store_f16(o),
+                    None => {
+                        let mut padded = [f16::ZERO; L];
+                        row.tail::<V, L>(j).store_f16(&mut padded);
+                        let tail = &mut out[j..];
+                        tail.copy_from_slice(&padded[..tail.len()]);
+                    }
                 }
             }
         }
@@ -558,34 +824,22 @@ unsafe fn code_lanes<V: Lanes<L>, const L: usize>(packed: &[u8], j: usize, width
     }
 }
 
-/// The minima (or steps) of elements `j..j + L`, one per `group` elements
-/// (zeros past the end of `x` when `group` is 1).
-///
-/// # Safety
-/// As [`Lanes`].
-#[inline(always)]
-unsafe fn affine_lanes<V: Lanes<L>, const L: usize>(x: &[f32], j: usize, group: usize) -> V {
-    // SAFETY: the caller's ISA guarantee is passed on.
-    unsafe {
-        if group == 1 {
-            match x[j..].first_chunk::<L>() {
-                Some(x) => V::load(x),
-                None => V::load(&pad(&x[j..], 0.0)),
-            }
-        } else {
-            V::splat(x[j / group])
-        }
-    }
-}
-
 /// The portable table's entries.
 pub(crate) mod portable {
     use super::*;
 
-    /// Table entry: [`scores`](super::scores) (lengths checked by the caller).
+    /// Table entry: [`scores`](super::scores) of f16 keys (lengths checked by the
+    /// caller).
     pub(crate) fn scores(dim: usize, queries: &[f32], keys: &[f16], out: &mut [f32], stride: usize) {
         // SAFETY: `Portable` uses no ISA-specific instructions.
-        unsafe { super::scores::<Portable, 16>(dim, queries, keys, out, stride) }
+        unsafe { super::scores::<Portable, 16>(queries, HalfRows { dim, halves: keys }, out, stride) }
+    }
+
+    /// Table entry: [`scores`](super::scores) of coded keys (lengths checked by the
+    /// caller).
+    pub(crate) fn scores_coded(queries: &[f32], keys: &CodeRows, out: &mut [f32], stride: usize) {
+        // SAFETY: as above.
+        unsafe { super::scores_coded::<Portable, 16>(queries, keys, out, stride) }
     }
 
     /// Table entry: [`softmax_exp`](super::softmax_exp).
@@ -595,14 +849,22 @@ pub(crate) mod portable {
     }
 
     /// Table entry: [`levels_f16`](super::levels_f16) (lengths checked by the caller).
-    pub(crate) fn levels_f16(row: &CodeRow, out: &mut [f16]) {
+    pub(crate) fn levels_f16(rows: &CodeRows, out: &mut [f16]) {
         // SAFETY: as above.
-        unsafe { super::levels_f16::<Portable, 16>(row, out) }
+        unsafe { super::levels_f16::<Portable, 16>(rows, out) }
     }
 
-    /// Table entry: [`add_weighted`](super::add_weighted) (lengths checked by the caller).
+    /// Table entry: [`add_weighted`](super::add_weighted) of f16 values (lengths
+    /// checked by the caller).
     pub(crate) fn add_weighted(dim: usize, weights: &[f32], stride: usize, values: &[f16], out: &mut [f32]) {
         // SAFETY: as above.
-        unsafe { super::add_weighted::<Portable, 16>(dim, weights, stride, values, out) }
+        unsafe { super::add_weighted::<Portable, 16>(weights, stride, HalfRows { dim, halves: values }, out) }
+    }
+
+    /// Table entry: [`add_weighted`](super::add_weighted) of coded values (lengths
+    /// checked by the caller).
+    pub(crate) fn add_weighted_coded(weights: &[f32], stride: usize, values: &CodeRows, out: &mut [f32]) {
+        // SAFETY: as above.
+        unsafe { super::add_weighted_coded::<Portable, 16>(weights, stride, values, out) }
     }
 }

@@ -38,27 +38,59 @@ pub(crate) type SoftmaxExpFn = unsafe fn(x: &mut [f32], max: f32) -> f32;
 /// `out[h] += Σⱼ weights[h · stride + j] · values[j]` over rows of `dim` (> 0) elements.
 pub(crate) type AddWeightedFn = unsafe fn(dim: usize, weights: &[f32], stride: usize, values: &[f16], out: &mut [f32]);
 
-/// f16 levels of a row of affine codes (see [`Kernels::levels_f16`]).
-pub(crate) type LevelsF16Fn = unsafe fn(row: &CodeRow, out: &mut [f16]);
+/// f16 levels of rows of affine codes (see [`Kernels::levels_f16`]).
+pub(crate) type LevelsF16Fn = unsafe fn(rows: &CodeRows, out: &mut [f16]);
+/// [`ScoresFn`] over the levels of rows of affine codes.
+pub(crate) type ScoresCodedFn = unsafe fn(queries: &[f32], keys: &CodeRows, out: &mut [f32], stride: usize);
+/// [`AddWeightedFn`] over the levels of rows of affine codes.
+pub(crate) type AddWeightedCodedFn = unsafe fn(weights: &[f32], stride: usize, values: &CodeRows, out: &mut [f32]);
 
-/// One row of affine codes, as the quantized KV cache keeps them: element
-/// `j`'s code is the `j`-th of `bits` bits in `codes` (lowest bits first) or,
-/// given `fine`, `16 · c_j + f_j` with `f_j` the `j`-th 4-bit code there; its
-/// minimum and step are `min[j / group]` and `step[j / group]`.
+/// Rows of affine codes, as the quantized KV cache keeps them: element `j`
+/// of a row has the `j`-th code of `bits` bits in the row's `codes` (lowest
+/// bits first) or, given `fine`, `16 · c_j + f_j` with `f_j` the `j`-th 4-bit
+/// code of the row's `fine`. Its minimum and step are `min[j]` and `step[j]`
+/// for every row when `group` is 1 (a page of keys, per channel); otherwise
+/// each row has its own, one per `group` elements (a token's values).
 #[derive(Clone, Copy, Debug)]
-pub struct CodeRow<'a> {
-    /// The codes, packed.
+pub struct CodeRows<'a> {
+    /// Elements per row.
+    pub dim: usize,
+    /// The codes, packed, each row in `(dim · bits).div_ceil(8)` bytes.
     pub codes: &'a [u8],
     /// Bits per code in `codes`: 2, 4 or 8 (4 with `fine`).
     pub bits: u32,
-    /// The low 4 bits of 8-bit codes whose top 4 are in `codes`.
+    /// The low 4 bits of 8-bit codes whose top 4 are in `codes`, each row
+    /// in `dim.div_ceil(2)` bytes.
     pub fine: Option<&'a [u8]>,
-    /// Elements sharing a minimum and a step: 1 or a multiple of 16.
+    /// Elements sharing a minimum and a step: 1 (shared by every row) or a
+    /// power of two from 16 (per row).
     pub group: usize,
-    /// One minimum per group.
+    /// The minima: `dim` of them for `group` 1, else `dim.div_ceil(group)` per row.
     pub min: &'a [f32],
-    /// One step per group.
+    /// The steps, as the minima.
     pub step: &'a [f32],
+}
+
+impl CodeRows<'_> {
+    /// Bytes of one row's codes.
+    pub(crate) fn row_bytes(&self) -> usize {
+        (self.dim * self.bits as usize).div_ceil(8)
+    }
+
+    /// The number of rows, after checking that every part describes them.
+    #[track_caller]
+    fn check(&self) -> usize {
+        let CodeRows { dim, codes, bits, fine, group, min, step } = *self;
+        assert!(dim > 0, "code rows need at least one element");
+        assert!(matches!((bits, fine.is_some()), (2 | 4 | 8, false) | (4, true)), "{bits}-bit codes");
+        let rows = codes.len() / self.row_bytes();
+        assert_eq!(codes.len(), rows * self.row_bytes(), "{} bytes are not whole rows of {dim} codes", codes.len());
+        assert!(fine.is_none_or(|f| f.len() == rows * dim.div_ceil(2)), "{rows} rows need as many rows of fine codes");
+        assert!(group == 1 || (group >= 16 && group.is_power_of_two()), "groups of {group}");
+        let affine = if group == 1 { dim } else { rows * dim.div_ceil(group) };
+        assert!(min.len() == affine && step.len() == affine, "{rows} rows need {affine} minima and steps");
+        rows
+    }
 }
 
 /// The attention kernels (see [`crate::attention`]).
@@ -68,6 +100,8 @@ pub(crate) struct AttentionKernels {
     pub(crate) softmax_exp: SoftmaxExpFn,
     pub(crate) add_weighted: AddWeightedFn,
     pub(crate) levels_f16: LevelsF16Fn,
+    pub(crate) scores_coded: ScoresCodedFn,
+    pub(crate) add_weighted_coded: AddWeightedCodedFn,
 }
 
 /// The kernels of one weight format.
@@ -289,6 +323,8 @@ const SCALAR: Kernels = Kernels {
         softmax_exp: crate::attention::portable::softmax_exp,
         add_weighted: crate::attention::portable::add_weighted,
         levels_f16: crate::attention::portable::levels_f16,
+        scores_coded: crate::attention::portable::scores_coded,
+        add_weighted_coded: crate::attention::portable::add_weighted_coded,
     },
     tiles: [None; WeightType::ALL.len()],
 };
@@ -519,28 +555,49 @@ impl Kernels {
 
 /// The quantized KV cache's codes, read back as attention reads them.
 impl Kernels {
-    /// `out[j] = f16(min[j / group] + step[j / group] · (c_j · span + (span − 1)/2))`:
-    /// the levels of a [`CodeRow`], `c_j` its `j`-th code. `span` is `2^(8 − b)` for codes of `b`
+    /// `out[r · dim + j] = f16(min + step · (c · span + (span − 1)/2))`: the
+    /// levels of [`CodeRows`], `c` the code of row `r`'s element `j` and `min`
+    /// and `step` its minimum and step. `span` is `2^(8 − b)` for codes of `b`
     /// bits in all (8 with `fine`): a narrow code stands for the midpoint of the
-    /// 8-bit codes it is the top bits of. The product is exact in f32 and the sum
-    /// rounds once before the f16 rounding (to nearest, ties to even), so every
-    /// table gives the same bits.
+    /// 8-bit codes it is the top bits of. The product is exact in f32 and the
+    /// sum rounds once before the f16 rounding (to nearest, ties to even), so
+    /// every table gives the same bits.
     ///
     /// # Panics
-    /// If `bits` is not 2, 4 or 8 (4 with `fine`), `codes` or `fine` hold fewer
-    /// than `out.len()` codes, `group` is neither 1 nor a multiple of 16, or
-    /// `min` and `step` do not hold one number per group.
-    pub fn levels_f16(&self, row: &CodeRow, out: &mut [f16]) {
-        let CodeRow { codes, bits, fine, group, min, step } = *row;
-        assert!(matches!((bits, fine.is_some()), (2 | 4 | 8, false) | (4, true)), "{bits}-bit codes");
-        let n = out.len();
-        assert!(codes.len() * 8 >= n * bits as usize, "{} bytes hold fewer than {n} codes", codes.len());
-        assert!(fine.is_none_or(|f| f.len() * 2 >= n), "fewer than {n} fine codes");
-        assert!(group == 1 || group.is_multiple_of(16), "groups of {group}");
-        let groups = n.div_ceil(group);
-        assert!(min.len() == groups && step.len() == groups, "{groups} groups need as many minima and steps");
+    /// If `bits` is not 2, 4 or 8 (4 with `fine`), `dim` is 0, `codes` is not
+    /// whole rows, `fine`, `min` or `step` do not hold as many rows (see
+    /// [`CodeRows`]), `group` is neither 1 nor a power of two from 16, or `out` does
+    /// not hold every row.
+    pub fn levels_f16(&self, rows: &CodeRows, out: &mut [f16]) {
+        let n = rows.check();
+        assert_eq!(out.len(), n * rows.dim, "{n} rows of {} levels", rows.dim);
         // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
-        unsafe { (self.attention.levels_f16)(row, out) }
+        unsafe { (self.attention.levels_f16)(rows, out) }
+    }
+
+    /// [`Kernels::scores_f16`] with the keys the levels of [`CodeRows`]
+    /// (exactly as [`Kernels::levels_f16`] computes them, in f32: no f16
+    /// rounding), without staging them anywhere.
+    ///
+    /// # Panics
+    /// As [`Kernels::levels_f16`] for `keys`, and as [`Kernels::scores_f16`].
+    pub fn scores_coded(&self, queries: &[f32], keys: &CodeRows, out: &mut [f32], stride: usize) {
+        let n = keys.check();
+        check_attention_rows(keys.dim, queries.len(), n * keys.dim, out.len(), stride);
+        // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
+        unsafe { (self.attention.scores_coded)(queries, keys, out, stride) }
+    }
+
+    /// [`Kernels::add_weighted_f16`] with the values the levels of
+    /// [`CodeRows`], as [`Kernels::scores_coded`] reads its keys.
+    ///
+    /// # Panics
+    /// As [`Kernels::levels_f16`] for `values`, and as [`Kernels::add_weighted_f16`].
+    pub fn add_weighted_coded(&self, weights: &[f32], stride: usize, values: &CodeRows, out: &mut [f32]) {
+        let n = values.check();
+        check_attention_rows(values.dim, out.len(), n * values.dim, weights.len(), stride);
+        // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
+        unsafe { (self.attention.add_weighted_coded)(weights, stride, values, out) }
     }
 }
 
@@ -550,7 +607,7 @@ impl Kernels {
 fn check_attention_rows(dim: usize, heads_len: usize, rows_len: usize, matrix_len: usize, stride: usize) {
     assert!(dim > 0, "attention rows need at least one element");
     assert!(heads_len.is_multiple_of(dim), "{heads_len} numbers are not whole heads of {dim}");
-    assert!(rows_len.is_multiple_of(dim), "{rows_len} halves are not whole rows of {dim}");
+    assert!(rows_len.is_multiple_of(dim), "{rows_len} numbers are not whole rows of {dim}");
     let (heads, n) = (heads_len / dim, rows_len / dim);
     assert!(stride >= n, "a stride of {stride} cannot hold {n} rows");
     let need = if heads == 0 { 0 } else { (heads - 1) * stride + n };

@@ -2,8 +2,9 @@
 //! dot products of one weight row against one quantized activation row (or of many rows
 //! against many, a tile at a time: [`Kernels::dot_tile`]), and attention
 //! over an f16 key/value cache ([`Kernels::scores_f16`], [`Kernels::softmax_exp`],
-//! [`Kernels::add_weighted_f16`]), whose quantized rows [`Kernels::levels_f16`] reads
-//! back.
+//! [`Kernels::add_weighted_f16`]) or over its quantized rows in place
+//! ([`Kernels::scores_coded`], [`Kernels::add_weighted_coded`]), which
+//! [`Kernels::levels_f16`] also reads back into f16.
 //!
 //! # Contract
 //!
@@ -54,7 +55,7 @@ pub mod formats;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use dispatch::{kernels, select_isa, CodeRow, Isa, Kernels, ParseIsaError, SelectIsaError};
+pub use dispatch::{kernels, select_isa, CodeRows, Isa, Kernels, ParseIsaError, SelectIsaError};
 
 /// Element type of a weight tensor, named and numbered as GGML does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,12 +1,13 @@
 //! The attention kernels on every ISA against f64 references: scores and weighted sums
-//! within 1e-5 of Σ|products|, exponentials within 2e-7 relative.
+//! of f16 rows and of coded rows (over the scalar reader's levels) within 1e-5 of
+//! Σ|products|, exponentials within 2e-7 relative, f16 levels bit for bit.
 
 mod common;
 
 use common::*;
 use half::f16;
 use proptest::prelude::{any, prop_assert, proptest, ProptestConfig, TestCaseError};
-use simd::CodeRow;
+use simd::CodeRows;
 
 /// An f16 in roughly [-4, 4], as attention keys, values and rounded queries are.
 fn random_f16(rng: &mut Rng) -> f16 {
@@ -47,7 +48,7 @@ fn check_scores(dim: usize, heads: usize, n: usize, gap: usize, seed: u64) -> Re
             }
             let mut alone = vec![0.0; n];
             k.scores_f16(dim, q, &keys, &mut alone, n);
-            prop_assert!(bits(&alone) == bits(row), "head {h} of {heads} scored alone differs on {}", k.isa());
+            prop_assert!(bits_of(&alone) == bits_of(row), "head {h} of {heads} scored alone differs on {}", k.isa());
         }
     }
     Ok(())
@@ -79,13 +80,13 @@ fn check_add_weighted(dim: usize, heads: usize, n: usize, gap: usize, seed: u64)
             }
             let mut alone = start.to_vec();
             k.add_weighted_f16(dim, w, n, &values, &mut alone);
-            prop_assert!(bits(&alone) == bits(got), "head {h} of {heads} summed alone differs on {}", k.isa());
+            prop_assert!(bits_of(&alone) == bits_of(got), "head {h} of {heads} summed alone differs on {}", k.isa());
         }
     }
     Ok(())
 }
 
-fn bits(x: &[f32]) -> Vec<u32> {
+fn bits_of(x: &[f32]) -> Vec<u32> {
     x.iter().map(|x| x.to_bits()).collect()
 }
 
@@ -178,52 +179,158 @@ fn exp_flushes_tiny_results_and_ignores_padding() {
     }
 }
 
-/// The reference reader of affine codes: the formula of `Kernels::levels_f16`,
-/// one element at a time.
-fn levels_reference(
-    codes: &[u8],
+/// Random rows of affine codes in one of the cache's formats, with the reference
+/// reader of their levels.
+struct Codes {
+    dim: usize,
     bits: u32,
-    fine: Option<&[u8]>,
+    codes: Vec<u8>,
+    fine: Option<Vec<u8>>,
     group: usize,
-    min: &[f32],
-    step: &[f32],
-    n: usize,
-) -> Vec<f16> {
-    let code = |packed: &[u8], j: usize, width: u32| {
-        let bit = j * width as usize;
-        (packed[bit / 8] >> (bit % 8)) & ((1u16 << width) - 1) as u8
-    };
-    let kept = if fine.is_some() { 8 } else { bits };
-    let span = (1u32 << (8 - kept)) as f32;
-    (0..n)
-        .map(|j| {
-            let c = match fine {
-                Some(fine) => code(codes, j, bits) << 4 | code(fine, j, 4),
-                None => code(codes, j, bits),
-            };
-            let g = j / group;
-            f16::from_f32(min[g] + step[g] * (f32::from(c) * span + (span - 1.0) / 2.0))
-        })
-        .collect()
+    min: Vec<f32>,
+    step: Vec<f32>,
 }
 
-fn check_levels(n: usize, bits: u32, with_fine: bool, group: usize, seed: u64) -> Result<(), TestCaseError> {
-    let mut rng = Rng::new(seed);
-    let mut bytes = |len: usize| (0..len).map(|_| (rng.unit() * 256.0) as u8).collect::<Vec<u8>>();
-    let codes = bytes((n * bits as usize).div_ceil(8));
-    let fine = with_fine.then(|| bytes(n.div_ceil(2)));
-    let groups = n.div_ceil(group);
-    // Minima and steps as the cache stores them: f16 numbers.
-    let min: Vec<f32> = (0..groups).map(|_| f16::from_f64(rng.normal() * 4.0).to_f32()).collect();
-    let step: Vec<f32> = (0..groups).map(|_| f16::from_f64(rng.unit() / 16.0).to_f32()).collect();
-    let want = levels_reference(&codes, bits, fine.as_deref(), group, &min, &step, n);
+impl Codes {
+    /// `rows` rows of `dim` codes of `bits` bits (4 with `fine`), minima and steps
+    /// per channel (`group` 1) or per row and group.
+    fn new(rows: usize, dim: usize, bits: u32, with_fine: bool, group: usize, rng: &mut Rng) -> Self {
+        let mut bytes = |len: usize| (0..len).map(|_| (rng.unit() * 256.0) as u8).collect::<Vec<u8>>();
+        let codes = bytes(rows * (dim * bits as usize).div_ceil(8));
+        let fine = with_fine.then(|| bytes(rows * dim.div_ceil(2)));
+        let affine = if group == 1 { dim } else { rows * dim.div_ceil(group) };
+        // Minima and steps as the cache stores them: f16 numbers.
+        let min = (0..affine).map(|_| f16::from_f64(rng.normal() * 4.0).to_f32()).collect();
+        let step = (0..affine).map(|_| f16::from_f64(rng.unit() / 16.0).to_f32()).collect();
+        Codes { dim, bits, codes, fine, group, min, step }
+    }
+
+    fn rows(&self) -> CodeRows<'_> {
+        let Codes { dim, bits, group, .. } = *self;
+        CodeRows { dim, codes: &self.codes, bits, fine: self.fine.as_deref(), group, min: &self.min, step: &self.step }
+    }
+
+    /// Every row's levels, one element at a time: `sift`'s scalar reader's
+    /// formula, `min + step · (c · span + (span − 1)/2)` in f32.
+    fn levels(&self) -> Vec<f32> {
+        let code = |packed: &[u8], j: usize, width: u32| {
+            let bit = j * width as usize;
+            (packed[bit / 8] >> (bit % 8)) & ((1u16 << width) - 1) as u8
+        };
+        let dim = self.dim;
+        let kept = if self.fine.is_some() { 8 } else { self.bits };
+        let span = (1u32 << (8 - kept)) as f32;
+        let (row_bytes, groups) = ((dim * self.bits as usize).div_ceil(8), dim.div_ceil(self.group));
+        let rows = self.codes.len() / row_bytes;
+        (0..rows * dim)
+            .map(|i| {
+                let (r, j) = (i / dim, i % dim);
+                let coarse = code(&self.codes[r * row_bytes..], j, self.bits);
+                let c = match &self.fine {
+                    Some(fine) => coarse << 4 | code(&fine[r * dim.div_ceil(2)..], j, 4),
+                    None => coarse,
+                };
+                let g = if self.group == 1 { j } else { r * groups + j / self.group };
+                self.min[g] + self.step[g] * (f32::from(c) * span + (span - 1.0) / 2.0)
+            })
+            .collect()
+    }
+}
+
+/// The formats the cache uses: (bits, fine) for index `width`, and its groups.
+fn format(width: usize, per_row: bool) -> (u32, bool, usize) {
+    let (bits, fine) = [(2, false), (4, false), (8, false), (4, true)][width];
+    (bits, fine, if per_row { 32 } else { 1 })
+}
+
+fn check_levels(rows: usize, dim: usize, width: usize, per_row: bool, seed: u64) -> Result<(), TestCaseError> {
+    let (bits, fine, group) = format(width, per_row);
+    let codes = Codes::new(rows, dim, bits, fine, group, &mut Rng::new(seed));
+    let want: Vec<u16> = codes.levels().iter().map(|&x| f16::from_f32(x).to_bits()).collect();
     for k in all_tables() {
-        let mut out = vec![f16::NAN; n];
-        let row = CodeRow { codes: &codes, bits, fine: fine.as_deref(), group, min: &min, step: &step };
-        k.levels_f16(&row, &mut out);
-        let (got, want): (Vec<u16>, Vec<u16>) =
-            (out.iter().map(|x| x.to_bits()).collect(), want.iter().map(|x| x.to_bits()).collect());
-        prop_assert!(got == want, "{n} {bits}-bit codes (fine: {with_fine}), groups of {group} on {}", k.isa());
+        let mut out = vec![f16::NAN; rows * dim];
+        k.levels_f16(&codes.rows(), &mut out);
+        let got: Vec<u16> = out.iter().map(|x| x.to_bits()).collect();
+        prop_assert!(got == want, "{rows}×{dim} {bits}-bit codes (fine: {fine}), groups of {group} on {}", k.isa());
+    }
+    Ok(())
+}
+
+/// `heads` queries against `n` coded keys of `dim`, scores in rows of `n + gap`:
+/// every table within 1e-5 of f64 over the reference's levels, and each query's
+/// scores the same bits whether scored in the group or alone.
+fn check_scores_coded(
+    dim: usize,
+    heads: usize,
+    n: usize,
+    gap: usize,
+    format: (u32, bool, usize),
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let (bits, fine, group) = format;
+    let mut rng = Rng::new(seed);
+    let queries: Vec<f32> = random_f16s(heads * dim, &mut rng).iter().map(|h| h.to_f32()).collect();
+    let codes = Codes::new(n, dim, bits, fine, group, &mut rng);
+    let levels = codes.levels();
+    let stride = n + gap;
+    for k in all_tables() {
+        let mut out = vec![f32::NAN; heads * stride];
+        k.scores_coded(&queries, &codes.rows(), &mut out, stride);
+        for (h, q) in queries.chunks_exact(dim).enumerate() {
+            let row = &out[h * stride..][..n];
+            for (j, (&got, key)) in row.iter().zip(levels.chunks_exact(dim)).enumerate() {
+                let terms = q.iter().zip(key).map(|(&a, &b)| a as f64 * b as f64);
+                let (want, mag) = terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()));
+                prop_assert!(
+                    close(got, want, mag, 1e-5),
+                    "head {h} of {heads}, key {j} of {n}, dim {dim}, {bits}-bit (fine: {fine}), groups of {group} on {}: {got} vs {want}",
+                    k.isa()
+                );
+            }
+            let mut alone = vec![0.0; n];
+            k.scores_coded(q, &codes.rows(), &mut alone, n);
+            prop_assert!(bits_of(&alone) == bits_of(row), "head {h} of {heads} scored alone differs on {}", k.isa());
+        }
+    }
+    Ok(())
+}
+
+/// `heads` output rows over `n` coded value rows, weights in rows of `n + gap`: as
+/// [`check_scores_coded`].
+fn check_add_weighted_coded(
+    dim: usize,
+    heads: usize,
+    n: usize,
+    gap: usize,
+    format: (u32, bool, usize),
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let (bits, fine, group) = format;
+    let mut rng = Rng::new(seed);
+    let stride = n + gap;
+    let weights: Vec<f32> = (0..heads * stride).map(|_| f16::from_f64(rng.unit()).to_f32()).collect();
+    let codes = Codes::new(n, dim, bits, fine, group, &mut rng);
+    let levels = codes.levels();
+    let start: Vec<f32> = (0..heads * dim).map(|_| rng.normal() as f32).collect();
+    for k in all_tables() {
+        let mut out = start.clone();
+        k.add_weighted_coded(&weights, stride, &codes.rows(), &mut out);
+        for h in 0..heads {
+            let (w, start, got) = (&weights[h * stride..][..n], &start[h * dim..][..dim], &out[h * dim..][..dim]);
+            for (i, &got) in got.iter().enumerate() {
+                let terms = w.iter().zip(levels.chunks_exact(dim)).map(|(&w, v)| w as f64 * v[i] as f64);
+                let first = (start[i] as f64, (start[i] as f64).abs());
+                let (want, mag) = terms.fold(first, |(s, m), t| (s + t, m + t.abs()));
+                prop_assert!(
+                    close(got, want, mag, 1e-5),
+                    "head {h} of {heads}, column {i} of {dim}, {n} rows, {bits}-bit (fine: {fine}), groups of {group} on {}: {got} vs {want}",
+                    k.isa()
+                );
+            }
+            let mut alone = start.to_vec();
+            k.add_weighted_coded(w, n, &codes.rows(), &mut alone);
+            prop_assert!(bits_of(&alone) == bits_of(got), "head {h} of {heads} summed alone differs on {}", k.isa());
+        }
     }
     Ok(())
 }
@@ -232,12 +339,47 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
 
     /// The quantized cache's reader gives the reference's bits on every table,
-    /// for every width, with and without fine codes, per element and per group.
+    /// for every width, with and without fine codes, per channel and per row.
     #[test]
     fn levels_match_the_reference(
-        n in 0usize..=300, width in 0usize..4, per_group in any::<bool>(), seed in any::<u64>()
+        rows in 0usize..=5, dim in 1usize..=300, width in 0usize..4, per_row in any::<bool>(), seed in any::<u64>()
     ) {
-        let (bits, fine) = [(2, false), (4, false), (8, false), (4, true)][width];
-        check_levels(n, bits, fine, if per_group { 32 } else { 1 }, seed)?;
+        check_levels(rows, dim, width, per_row, seed)?;
+    }
+
+    #[test]
+    fn coded_scores_match_f64(
+        dim in 1usize..=300, heads in 1usize..=5, n in 0usize..=13, gap in 0usize..=3,
+        width in 0usize..4, per_row in any::<bool>(), seed in any::<u64>()
+    ) {
+        check_scores_coded(dim, heads, n, gap, format(width, per_row), seed)?;
+    }
+
+    #[test]
+    fn coded_weighted_sums_match_f64(
+        dim in 1usize..=300, heads in 1usize..=5, n in 0usize..=70, gap in 0usize..=3,
+        width in 0usize..4, per_row in any::<bool>(), seed in any::<u64>()
+    ) {
+        check_add_weighted_coded(dim, heads, n, gap, format(width, per_row), seed)?;
+    }
+}
+
+/// The coded kernels at head sizes models use and the edges of every vector width,
+/// unroll and value group, in every format.
+#[test]
+fn coded_head_sizes_and_edges() {
+    for dim in [1, 15, 16, 17, 31, 32, 33, 64, 80, 127, 128, 256] {
+        for n in [1, 4, 5, 33] {
+            for width in 0..4 {
+                for per_row in [false, true] {
+                    let seed = (dim * 1000 + n * 10 + width) as u64;
+                    check_levels(n, dim, width, per_row, seed).unwrap();
+                    for heads in 1..=5 {
+                        check_scores_coded(dim, heads, n, heads % 3, format(width, per_row), seed).unwrap();
+                        check_add_weighted_coded(dim, heads, n, heads % 2, format(width, per_row), seed).unwrap();
+                    }
+                }
+            }
+        }
     }
 }

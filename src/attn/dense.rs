@@ -9,11 +9,14 @@
 //!
 //! The loops over keys and values are `simd`'s attention kernels; this module
 //! walks the cache and shares the work among the threads. Exact rows go to
-//! the kernels where they lie; the coded pages a batch reads (the quantized
-//! cache modes) are first dequantized once for the whole batch, in parallel,
-//! and rounded to f16, as the kernels read them ([`Staged`]). Splitting a
-//! head's rows into stretches changes no result: every score is its own sum,
-//! and the weighted values accumulate row after row into the output.
+//! the kernels where they lie. The coded pages of the quantized cache modes
+//! are read in place by a small batch (a decoding step): the kernels compute
+//! each code's level in f32 as they load it, the cache's own reader's number.
+//! A batch of [`STAGE_MIN`] tokens or more first dequantizes the coded pages
+//! it reads once for all its queries, in parallel, rounded to f16 ([`Staged`]).
+//! Splitting a head's rows into stretches changes no result: every score is
+//! its own sum, and the weighted values accumulate row after row into the
+//! output.
 //!
 //! The batch's own keys and values are read from the batch, rounded to f16 as
 //! the cache stores them, not from the cache, which may already have coded
@@ -52,6 +55,12 @@ pub struct AttentionBatch<'a> {
 /// when the batch has too few groups to keep every thread busy (decoding).
 const SPLIT_MIN: usize = 512;
 
+/// Tokens from which a batch stages the coded pages it reads. Staging writes
+/// every coded row as f16 and reads it back, so it pays only when several
+/// queries share the rows; below this, each group reads the codes in place
+/// (a decoding step's one token would read every staged row just once).
+const STAGE_MIN: usize = 4;
+
 /// The buffers of the thread that runs a group, kept across calls: its
 /// queries rounded to f16, its scores (then probabilities) per query head, and
 /// the weighted sums of each piece of the visible positions.
@@ -65,7 +74,8 @@ struct GroupScratch {
 
 /// The coded pages a batch reads, dequantized once for all its groups and
 /// rounded to f16: `[kv head][page][token][dim]` over whole pages from
-/// `first_page`, of which the rows at `positions` are filled.
+/// `first_page`, of which the rows at `positions` are filled where the cache
+/// holds them coded (it may keep some of these pages exact).
 #[derive(Default)]
 struct Staged {
     keys: Vec<f16>,
@@ -80,7 +90,7 @@ thread_local! {
     static STAGED: RefCell<Staged> = RefCell::default();
     /// The batch's own keys and values.
     static OWN: RefCell<BatchRows> = RefCell::default();
-    /// A thread's minima and steps of the page it dequantizes.
+    /// A thread's minima and steps of the coded page it reads, in f32.
     static AFFINE: RefCell<Vec<f32>> = RefCell::default();
 }
 
@@ -105,9 +115,9 @@ fn attend_with(kernels: &Kernels, batch: &AttentionBatch, cache: &PagedLayer, ow
     // The batch's first token sees the earliest positions of any.
     let (coded, first) = (cache.coded(), cache.visible(batch.pos0).start);
     let start = coded.start.max(first);
-    let staged_positions = start..coded.end.min(batch.pos0).max(start);
+    let end = if own.n_tokens >= STAGE_MIN { coded.end.min(batch.pos0).max(start) } else { start };
     STAGED.with_borrow_mut(|staged| {
-        staged.fill(cache, batch, staged_positions);
+        staged.fill(cache, batch, start..end);
         let staged = &*staged;
         let group = |i: usize| {
             let t = i / n_kv_head;
@@ -138,7 +148,7 @@ fn attend_with(kernels: &Kernels, batch: &AttentionBatch, cache: &PagedLayer, ow
 }
 
 impl Staged {
-    /// Dequantizes the rows at `positions` (all coded) of every KV head, a
+    /// Dequantizes the rows at `positions` of every KV head's coded pages, a
     /// page per task.
     fn fill(&mut self, cache: &PagedLayer, batch: &AttentionBatch, positions: Range<usize>) {
         let (dim_k, dim_v) = (batch.head_dim_k, batch.head_dim_v);
@@ -155,8 +165,9 @@ impl Staged {
             let (head, page) = (i / pages, first_page + i % pages);
             let rows =
                 positions.start.max(page * PAGE) - page * PAGE..positions.end.min(page * PAGE + PAGE) - page * PAGE;
-            let sketch = cache.sketch(head, page).expect("staged pages are coded");
-            let coded = cache.coded_values(head, page).expect("staged pages are coded");
+            let (Some(sketch), Some(coded)) = (cache.sketch(head, page), cache.coded_values(head, page)) else {
+                return;
+            };
             AFFINE.with_borrow_mut(|affine| {
                 sketch.dequantize_keys(rows.clone(), &mut keys[rows.start * dim_k..rows.end * dim_k], affine);
                 coded.dequantize_rows(rows.clone(), &mut values[rows.start * dim_v..rows.end * dim_v], affine);
@@ -164,16 +175,15 @@ impl Staged {
         });
     }
 
-    /// The staged rows of `head` at `positions` (within those staged), as
-    /// `(keys, values)`.
-    fn rows(&self, head: usize, positions: Range<usize>, dim_k: usize, dim_v: usize) -> (&[f16], &[f16]) {
-        if positions.is_empty() {
-            return (&[], &[]);
-        }
-        debug_assert!(self.positions.start <= positions.start && positions.end <= self.positions.end);
-        let row = |pos: usize| head * self.pages * PAGE + pos - self.first_page * PAGE;
-        let rows = row(positions.start)..row(positions.end);
-        (&self.keys[rows.start * dim_k..rows.end * dim_k], &self.values[rows.start * dim_v..rows.end * dim_v])
+    /// The staged rows of `head` at `positions` (of a coded page), as
+    /// `(keys, values)`, if the batch staged them.
+    fn rows(&self, head: usize, positions: Range<usize>, dim_k: usize, dim_v: usize) -> Option<(&[f16], &[f16])> {
+        let staged = self.positions.start <= positions.start && positions.end <= self.positions.end;
+        (staged && !positions.is_empty()).then(|| {
+            let row = |pos: usize| head * self.pages * PAGE + pos - self.first_page * PAGE;
+            let rows = row(positions.start)..row(positions.end);
+            (&self.keys[rows.start * dim_k..rows.end * dim_k], &self.values[rows.start * dim_v..rows.end * dim_v])
+        })
     }
 }
 
@@ -274,9 +284,18 @@ impl<'a> Group<'a> {
     fn score(&self, kernels: &Kernels, queries: &[f32], positions: Range<usize>, scores: &mut [f32]) {
         let (dim, n) = (self.batch.head_dim_k, positions.len());
         let mut col = 0;
-        for keys in self.runs(positions, |p| p.0, PagedLayer::key_rows) {
-            kernels.scores_f16(dim, queries, keys, &mut scores[col..], n);
-            col += keys.len() / dim;
+        for keys in self.stretches(positions, dim, |p| p.0, PagedLayer::key_rows) {
+            col += match keys {
+                Stretch::Halves(keys) => {
+                    kernels.scores_f16(dim, queries, keys, &mut scores[col..], n);
+                    keys.len() / dim
+                }
+                Stretch::Coded(sketch, rows) => AFFINE.with_borrow_mut(|affine| {
+                    let keys = sketch.code_rows(rows.clone(), affine);
+                    kernels.scores_coded(queries, &keys, &mut scores[col..], n);
+                    rows.len()
+                }),
+            };
         }
         scores.iter_mut().for_each(|x| *x *= self.batch.scale);
     }
@@ -300,37 +319,67 @@ impl<'a> Group<'a> {
         let (dim, n) = (self.batch.head_dim_v, positions.len());
         sums.fill(0.0);
         let mut col = 0;
-        for values in self.runs(positions, |p| p.1, PagedLayer::value_rows) {
-            kernels.add_weighted_f16(dim, &probs[col..], n, values, sums);
-            col += values.len() / dim;
+        for values in self.stretches(positions, dim, |p| p.1, PagedLayer::value_rows) {
+            col += match values {
+                Stretch::Halves(values) => {
+                    kernels.add_weighted_f16(dim, &probs[col..], n, values, sums);
+                    values.len() / dim
+                }
+                Stretch::Coded(coded, rows) => AFFINE.with_borrow_mut(|affine| {
+                    let values = coded.code_rows(rows.clone(), affine);
+                    kernels.add_weighted_coded(&probs[col..], n, &values, sums);
+                    rows.len()
+                }),
+            };
         }
     }
 
-    /// The key (or value) rows at `positions`, as stretches end to end: the
-    /// staged ones, the cache's exact ones, then the batch's own. `pick`
-    /// takes keys or values from a pair; `cached` is the cache's reader.
-    fn runs<C, I>(
+    /// The key (or value) rows at `positions` in order, as stretches: the
+    /// cache's, coded pages taken from the staging buffer where the batch
+    /// staged them, then the batch's own. `dim` is a row's length, `pick`
+    /// takes keys or values from a pair, `cached` is the cache's reader.
+    fn stretches<C, I>(
         &self,
         positions: Range<usize>,
+        dim: usize,
         pick: impl Fn((&'a [f16], &'a [f16])) -> &'a [f16],
         cached: impl FnOnce(&'a PagedLayer, usize, Range<usize>) -> I,
-    ) -> impl Iterator<Item = &'a [f16]>
+    ) -> impl Iterator<Item = Stretch<'a, C>>
     where
         C: 'a,
         I: Iterator<Item = Rows<'a, C>>,
     {
-        let (pos0, staged_end) = (self.batch.pos0, self.staged.positions.end);
+        let pos0 = self.batch.pos0;
         let clamp = |lo: usize, hi: usize| positions.start.clamp(lo, hi)..positions.end.clamp(lo, hi);
         let (dim_k, dim_v) = (self.batch.head_dim_k, self.batch.head_dim_v);
-        let staged = pick(self.staged.rows(self.kv_head, clamp(0, staged_end), dim_k, dim_v));
         let own = clamp(pos0, usize::MAX);
-        let own = pick(self.own.head(self.kv_head, own.start - pos0..own.end - pos0));
-        let cached = cached(self.cache, self.kv_head, clamp(staged_end, pos0)).map(|rows| match rows {
-            Rows::Exact(rows) => rows,
-            Rows::Coded(..) => panic!("coded rows are staged before attention"),
+        let own = Stretch::Halves(pick(self.own.head(self.kv_head, own.start - pos0..own.end - pos0)));
+        let (staged, head, before) = (self.staged, self.kv_head, clamp(0, pos0));
+        let mut next = before.start;
+        let cached = cached(self.cache, head, before).map(move |rows| match rows {
+            Rows::Exact(rows) => {
+                next += rows.len() / dim;
+                Stretch::Halves(rows)
+            }
+            Rows::Coded(coded, rows) => {
+                let at = next..next + rows.len();
+                next = at.end;
+                match staged.rows(head, at, dim_k, dim_v) {
+                    Some(pair) => Stretch::Halves(pick(pair)),
+                    None => Stretch::Coded(coded, rows),
+                }
+            }
         });
-        std::iter::once(staged).chain(cached).chain(std::iter::once(own))
+        cached.chain(std::iter::once(own))
     }
+}
+
+/// A stretch of one head's key or value rows, as the kernels take it.
+enum Stretch<'a, C> {
+    /// f16 rows end to end: exact, staged or the batch's own.
+    Halves(&'a [f16]),
+    /// These rows of a coded page, read in place.
+    Coded(&'a C, Range<usize>),
 }
 
 /// The stretch of head `h`'s scores in each piece of `piece_len` positions.

@@ -19,7 +19,7 @@
 use std::ops::Range;
 
 use half::f16;
-use simd::CodeRow;
+use simd::CodeRows;
 
 /// Channels per value group (each token's values are quantized in groups).
 pub const VALUE_GROUP: usize = 32;
@@ -183,21 +183,25 @@ impl ValueRows {
         }
     }
 
-    /// Rows `rows`, rounded to f16 as attention reads them, one after
+    /// Rows `rows`, rounded to f16 as a staging batch reads them, one after
     /// another into `out`: [`Self::dequantize`]'s numbers, through the SIMD
-    /// reader. `affine` is scratch for a row's minima and steps.
+    /// reader. `affine` is scratch for the rows' minima and steps.
     pub fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f16], affine: &mut Vec<f32>) {
+        simd::kernels().levels_f16(&self.code_rows(rows, affine), out);
+    }
+
+    /// Rows `rows` as codes for the SIMD kernels, which read them as
+    /// [`Self::dequantize`]'s numbers: `affine` is filled with the rows'
+    /// minima and steps in f32, which the rows borrow.
+    pub fn code_rows<'a>(&'a self, rows: Range<usize>, affine: &'a mut Vec<f32>) -> CodeRows<'a> {
         let (n_groups, len) = (self.dim.div_ceil(VALUE_GROUP), packed_len(self.dim, self.bits));
-        for (row, out) in rows.zip(out.chunks_exact_mut(self.dim)) {
-            let groups = &self.groups[row * n_groups..][..n_groups];
-            affine.clear();
-            affine.extend(groups.iter().map(|a| a.min.to_f32()));
-            affine.extend(groups.iter().map(|a| a.step.to_f32()));
-            let (min, step) = affine.split_at(n_groups);
-            let codes = &self.codes[row * len..][..len];
-            let row = CodeRow { codes, bits: self.bits.get() as u32, fine: None, group: VALUE_GROUP, min, step };
-            simd::kernels().levels_f16(&row, out);
-        }
+        let groups = &self.groups[rows.start * n_groups..rows.end * n_groups];
+        affine.clear();
+        affine.extend(groups.iter().map(|a| a.min.to_f32()));
+        affine.extend(groups.iter().map(|a| a.step.to_f32()));
+        let (min, step) = affine.split_at(groups.len());
+        let codes = &self.codes[rows.start * len..rows.end * len];
+        CodeRows { dim: self.dim, codes, bits: self.bits.get() as u32, fine: None, group: VALUE_GROUP, min, step }
     }
 
     pub fn bytes(&self) -> usize {

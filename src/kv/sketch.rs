@@ -42,7 +42,7 @@
 //! infinite, which is still true.
 
 use half::f16;
-use simd::CodeRow;
+use simd::CodeRows;
 
 use std::ops::Range;
 
@@ -170,22 +170,32 @@ impl KeySketch {
         }
     }
 
-    /// Keys `rows` at all the kept bits, rounded to f16 as attention reads
-    /// them, one after another into `out`: [`Self::dequantize_key`]'s numbers,
-    /// through the SIMD reader. `affine` is scratch for the channels' minima
-    /// and steps.
+    /// Keys `rows` at all the kept bits, rounded to f16 as a staging batch
+    /// reads them, one after another into `out`: [`Self::dequantize_key`]'s
+    /// numbers, through the SIMD reader. `affine` is scratch for the
+    /// channels' minima and steps.
     pub fn dequantize_keys(&self, rows: Range<usize>, out: &mut [f16], affine: &mut Vec<f32>) {
+        simd::kernels().levels_f16(&self.code_rows(rows, affine), out);
+    }
+
+    /// Keys `rows` as codes for the SIMD kernels, which read them as
+    /// [`Self::dequantize_key`]'s numbers: `affine` is filled with the
+    /// channels' minima and steps in f32, which the rows borrow.
+    pub fn code_rows<'a>(&'a self, rows: Range<usize>, affine: &'a mut Vec<f32>) -> CodeRows<'a> {
         let (kept, scanned, dim) = (self.keys.kept(), self.keys.scanned(), self.dim);
         let (coarse_len, fine_len) = (packed_len(dim, scanned), packed_len(dim, Bits::Four));
         affine.clear();
         affine.extend(self.channels.iter().map(|a| a.min.to_f32()));
         affine.extend(self.channels.iter().map(|a| a.step.to_f32()));
         let (min, step) = affine.split_at(dim);
-        for (i, out) in rows.zip(out.chunks_exact_mut(dim)) {
-            let coarse = &self.coarse[i * coarse_len..][..coarse_len];
-            let fine = (kept != scanned).then(|| &self.fine[i * fine_len..][..fine_len]);
-            let row = CodeRow { codes: coarse, bits: scanned.get() as u32, fine, group: 1, min, step };
-            simd::kernels().levels_f16(&row, out);
+        CodeRows {
+            dim,
+            codes: &self.coarse[rows.start * coarse_len..rows.end * coarse_len],
+            bits: scanned.get() as u32,
+            fine: (kept != scanned).then(|| &self.fine[rows.start * fine_len..rows.end * fine_len]),
+            group: 1,
+            min,
+            step,
         }
     }
 

@@ -7,8 +7,8 @@ use core::arch::x86_64::*;
 use half::f16;
 
 use super::{load16, load32};
-use crate::attention::Lanes;
-use crate::dispatch::AttentionKernels;
+use crate::attention::{HalfRows, Lanes};
+use crate::dispatch::{AttentionKernels, CodeRows};
 
 impl Lanes<8> for __m256 {
     #[inline(always)]
@@ -75,7 +75,12 @@ impl Lanes<8> for __m256 {
     #[inline(always)]
     unsafe fn load_codes(packed: &[u8], bits: u32) -> Self {
         // SAFETY: see `splat`.
-        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(code_bytes(packed, bits))) }
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(code_bytes::<8>(packed, bits))) }
+    }
+    #[inline(always)]
+    unsafe fn load_split_codes(coarse: &[u8], fine: &[u8]) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(split_code_bytes::<8>(coarse, fine))) }
     }
     #[inline(always)]
     unsafe fn store_f16(self, out: &mut [f16; 8]) {
@@ -149,7 +154,12 @@ impl Lanes<16> for __m512 {
     #[inline(always)]
     unsafe fn load_codes(packed: &[u8], bits: u32) -> Self {
         // SAFETY: see `splat`.
-        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code_bytes(packed, bits))) }
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(code_bytes::<16>(packed, bits))) }
+    }
+    #[inline(always)]
+    unsafe fn load_split_codes(coarse: &[u8], fine: &[u8]) -> Self {
+        // SAFETY: see `splat`.
+        unsafe { _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(split_code_bytes::<16>(coarse, fine))) }
     }
     #[inline(always)]
     unsafe fn store_f16(self, out: &mut [f16; 16]) {
@@ -158,19 +168,24 @@ impl Lanes<16> for __m512 {
     }
 }
 
-/// The first codes of `bits` bits packed in `packed` (lowest bits first),
-/// one a byte in order, as many as 16 bytes of `packed` hold.
+/// The first `L` codes of `bits` bits packed in `packed` (lowest bits first), one a
+/// byte in order. Reads the `L · bits / 8` bytes they fill and no more (so no row's
+/// last codes take a slower path).
 ///
 /// # Safety
 /// The CPU must support AVX2 (both tables' callers run with it).
 #[inline(always)]
-unsafe fn code_bytes(packed: &[u8], bits: u32) -> __m128i {
-    let x: __m128i = match packed.first_chunk::<16>() {
-        Some(bytes) => bytemuck::cast(*bytes),
-        None => {
-            let mut bytes = [0u8; 16];
-            bytes[..packed.len()].copy_from_slice(packed);
-            bytemuck::cast(bytes)
+unsafe fn code_bytes<const L: usize>(packed: &[u8], bits: u32) -> __m128i {
+    fn bytes<const N: usize>(packed: &[u8]) -> [u8; N] {
+        *packed.first_chunk::<N>().expect("the caller passes every byte of the codes")
+    }
+    // SAFETY: the caller runs with AVX2 (SSE2 and up).
+    let x: __m128i = unsafe {
+        match L * bits as usize / 8 {
+            2 => _mm_cvtsi32_si128(i32::from(u16::from_le_bytes(bytes(packed)))),
+            4 => _mm_cvtsi32_si128(i32::from_le_bytes(bytes(packed))),
+            8 => _mm_cvtsi64_si128(i64::from_le_bytes(bytes(packed))),
+            _ => bytemuck::cast(bytes::<16>(packed)),
         }
     };
     // SAFETY: the caller runs with AVX2 (SSE2 and up).
@@ -191,6 +206,21 @@ unsafe fn code_bytes(packed: &[u8], bits: u32) -> __m128i {
     }
 }
 
+/// The first `L` 8-bit codes from their top and low 4 bits, 4-bit codes in `coarse`
+/// and `fine`, one a byte in order.
+///
+/// # Safety
+/// As [`code_bytes`].
+#[inline(always)]
+unsafe fn split_code_bytes<const L: usize>(coarse: &[u8], fine: &[u8]) -> __m128i {
+    // SAFETY: the caller runs with AVX2 (SSE2 and up). Codes below 16 shifted by 4
+    // stay within their bytes.
+    unsafe {
+        let (coarse, fine) = (code_bytes::<L>(coarse, 4), code_bytes::<L>(fine, 4));
+        _mm_or_si128(_mm_slli_epi16(coarse, 4), fine)
+    }
+}
+
 /// Defines the module `$module` of table entries instantiating the attention kernels
 /// with the vector `$V` of `$L` lanes, compiled for `$features`.
 macro_rules! attention_entries {
@@ -202,16 +232,25 @@ macro_rules! attention_entries {
             /// The CPU must support the features; lengths as `dispatch::ScoresFn`.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn scores(dim: usize, queries: &[f32], keys: &[f16], out: &mut [f32], stride: usize) {
+                let keys = HalfRows { dim, halves: keys };
                 // SAFETY: this function enables the features.
-                unsafe { crate::attention::scores::<$V, $L>(dim, queries, keys, out, stride) }
+                unsafe { crate::attention::scores::<$V, $L>(queries, keys, out, stride) }
+            }
+
+            /// # Safety
+            /// The CPU must support the features; lengths as `dispatch::ScoresCodedFn`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn scores_coded(queries: &[f32], keys: &CodeRows, out: &mut [f32], stride: usize) {
+                // SAFETY: this function enables the features.
+                unsafe { crate::attention::scores_coded::<$V, $L>(queries, keys, out, stride) }
             }
 
             /// # Safety
             /// The CPU must support the features; lengths as `dispatch::LevelsF16Fn`.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn levels_f16(row: &crate::dispatch::CodeRow, out: &mut [f16]) {
+            pub(super) unsafe fn levels_f16(rows: &CodeRows, out: &mut [f16]) {
                 // SAFETY: this function enables the features.
-                unsafe { crate::attention::levels_f16::<$V, $L>(row, out) }
+                unsafe { crate::attention::levels_f16::<$V, $L>(rows, out) }
             }
 
             /// # Safety
@@ -232,8 +271,22 @@ macro_rules! attention_entries {
                 values: &[f16],
                 out: &mut [f32],
             ) {
+                let values = HalfRows { dim, halves: values };
                 // SAFETY: this function enables the features.
-                unsafe { crate::attention::add_weighted::<$V, $L>(dim, weights, stride, values, out) }
+                unsafe { crate::attention::add_weighted::<$V, $L>(weights, stride, values, out) }
+            }
+
+            /// # Safety
+            /// The CPU must support the features; lengths as `dispatch::AddWeightedCodedFn`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn add_weighted_coded(
+                weights: &[f32],
+                stride: usize,
+                values: &CodeRows,
+                out: &mut [f32],
+            ) {
+                // SAFETY: this function enables the features.
+                unsafe { crate::attention::add_weighted_coded::<$V, $L>(weights, stride, values, out) }
             }
         }
     };
@@ -249,6 +302,8 @@ pub(super) const AVX2: AttentionKernels = AttentionKernels {
     softmax_exp: avx2::softmax_exp,
     add_weighted: avx2::add_weighted,
     levels_f16: avx2::levels_f16,
+    scores_coded: avx2::scores_coded,
+    add_weighted_coded: avx2::add_weighted_coded,
 };
 
 /// The AVX-512 attention entries.
@@ -257,4 +312,6 @@ pub(super) const AVX512: AttentionKernels = AttentionKernels {
     softmax_exp: avx512::softmax_exp,
     add_weighted: avx512::add_weighted,
     levels_f16: avx512::levels_f16,
+    scores_coded: avx512::scores_coded,
+    add_weighted_coded: avx512::add_weighted_coded,
 };
