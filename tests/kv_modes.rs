@@ -33,7 +33,7 @@ mod common;
 
 use half::f16;
 use sift::attn::dense::{attend, AttentionBatch};
-use sift::kv::page::{KvMode, PagedLayer, Storage, RESIDUAL};
+use sift::kv::page::{KvMode, PagedLayer, Storage, RESIDUAL, SINK};
 use sift::kv::{CacheShape, PAGE};
 
 use common::Rng;
@@ -44,7 +44,8 @@ fn shape(n_kv_head: usize, head_dim_k: usize, head_dim_v: usize) -> CacheShape {
 
 /// Tokens' keys and values for every head, as f16 (what the cache rounds
 /// them to) widened back to f32. Keys have KIVI's outlier channels: every
-/// eighth channel carries an offset 20 times the others'.
+/// eighth channel carries an offset 20 times the others'. The first token is
+/// an outlier, 30 times the others, as a model's first token often is.
 struct Tokens {
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
@@ -56,10 +57,12 @@ impl Tokens {
         let (dk, dv) = (shape.n_kv_head * shape.head_dim_k, shape.n_kv_head * shape.head_dim_v);
         let offsets: Vec<f64> = (0..dk).map(|c| rng.normal() * if c % 8 == 0 { 20.0 } else { 1.0 }).collect();
         let round = |x: f64| f16::from_f64(x).to_f32();
-        let keys = (0..n).map(|_| offsets.iter().map(|&o| round(o + rng.normal())).collect()).collect();
+        let outlier = |pos: usize| if pos == 0 { 30.0 } else { 1.0 };
+        let keys =
+            (0..n).map(|pos| offsets.iter().map(|&o| round((o + rng.normal()) * outlier(pos))).collect()).collect();
         let values = (0..n)
-            .map(|_| {
-                let scale = 0.5 + rng.unit();
+            .map(|pos| {
+                let scale = (0.5 + rng.unit()) * outlier(pos);
                 (0..dv).map(|_| round(rng.normal() * scale)).collect()
             })
             .collect();
@@ -77,9 +80,9 @@ fn error_bound(mode: KvMode, group: impl Iterator<Item = f32> + Clone, x: f32) -
 }
 
 /// Whether `pos` is still exact when `len` positions are stored: the newest
-/// `residual / PAGE` pages are.
-fn is_exact(mode: KvMode, pos: usize, len: usize) -> bool {
-    mode == KvMode::F16 || pos / PAGE + RESIDUAL / PAGE > (len - 1) / PAGE
+/// `residual / PAGE` pages are, and the sink.
+fn is_exact(layer: &PagedLayer, pos: usize, len: usize) -> bool {
+    layer.mode() == KvMode::F16 || pos < layer.sink() || pos / PAGE + RESIDUAL / PAGE > (len - 1) / PAGE
 }
 
 /// Reads back every position of `range` and checks each number against its
@@ -101,12 +104,13 @@ fn check_rows(
             layer.value(head, pos, &mut value);
             let exact_k = &tokens.keys[pos][head * dk..][..dk];
             let exact_v = &tokens.values[pos][head * dv..][..dv];
-            if is_exact(mode, pos, len) {
+            if is_exact(layer, pos, len) {
                 assert_eq!(key, exact_k, "{mode} pos {pos}: exact key");
                 assert_eq!(value, exact_v, "{mode} pos {pos}: exact value");
                 return (vec![0.0; dk], vec![0.0; dv]);
             }
-            let page = pos / PAGE * PAGE..(pos / PAGE + 1) * PAGE;
+            // The sink's keys are not among their page's.
+            let page = (pos / PAGE * PAGE).max(layer.sink())..(pos / PAGE + 1) * PAGE;
             let e: Vec<f64> = (0..dk)
                 .map(|c| {
                     let column = page.clone().map(|p| tokens.keys[p][head * dk + c]);
@@ -188,8 +192,8 @@ fn every_mode_reads_back_within_its_step_and_attends_within_tolerance() {
     let shape = shape(2, 64, 80); // 80: a partial value group
     let len = 7 * PAGE + 13;
     let tokens = Tokens::new(1, len, &shape);
-    for mode in KvMode::ALL {
-        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, None, 640, 16);
+    for (mode, sink) in KvMode::ALL.into_iter().flat_map(|m| [(m, 0), (m, SINK)]) {
+        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL, sink }, &shape, None, 640, 16);
         for pos in 0..len {
             layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
         }
@@ -240,7 +244,7 @@ fn check_dense_attention(n_kv_head: usize, n_gqa: usize, batch: usize, len: usiz
     let tokens = Tokens::new(11, len, &shape);
     let pos0 = len - batch;
     for (mode, window) in KvMode::ALL.into_iter().flat_map(|m| [(m, None), (m, Some(100))]) {
-        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, window, len, batch);
+        let mut layer = PagedLayer::new(Storage { mode, ..Storage::default() }, &shape, window, len, batch);
         for pos in 0..len {
             layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
         }
@@ -340,7 +344,7 @@ fn sliding_windows_keep_what_the_window_sees() {
 fn check_sliding_window(shape: &CacheShape, window: usize, batch: usize, len: usize) {
     let tokens = Tokens::new(3, len, shape);
     for mode in KvMode::ALL {
-        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, shape, Some(window), 4096, batch);
+        let mut layer = PagedLayer::new(Storage { mode, ..Storage::default() }, shape, Some(window), 4096, batch);
         for pos0 in (0..len).step_by(batch) {
             for pos in pos0..pos0 + batch {
                 layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
@@ -361,7 +365,7 @@ fn sketches_bound_the_cached_keys() {
     let tokens = Tokens::new(5, len, &shape);
     let q: Vec<f32> = (0..64).map(|c| (c as f32 * 0.37).sin()).collect();
     for mode in KvMode::ALL {
-        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, None, 1024, 16);
+        let mut layer = PagedLayer::new(Storage { mode, ..Storage::default() }, &shape, None, 1024, 16);
         for pos in 0..len {
             layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
         }
@@ -371,7 +375,8 @@ fn sketches_bound_the_cached_keys() {
         let mut key = vec![0.0; 64];
         for page in sketched {
             let bound = layer.sketch(1, page).unwrap().page_upper_bound(&q);
-            for pos in page * PAGE..(page + 1) * PAGE {
+            // The sink's keys are kept apart from the sketch of page 0.
+            for pos in (page * PAGE).max(layer.sink())..(page + 1) * PAGE {
                 layer.key(1, pos, &mut key);
                 let score: f64 = q.iter().zip(&key).map(|(&a, &b)| a as f64 * b as f64).sum();
                 assert!(score <= bound as f64, "{mode} pos {pos}: {score} > {bound}");
@@ -386,7 +391,7 @@ fn sketches_bound_the_cached_keys() {
 fn rewinding() {
     let shape = shape(1, 32, 32);
     let (a, b) = (Tokens::new(6, 400, &shape), Tokens::new(7, 400, &shape));
-    let mut layer = PagedLayer::new(Storage { mode: KvMode::Q4, residual: RESIDUAL }, &shape, None, 512, 16);
+    let mut layer = PagedLayer::new(Storage { mode: KvMode::Q4, ..Storage::default() }, &shape, None, 512, 16);
     for pos in 0..300 {
         layer.store(pos, &a.keys[pos], &a.values[pos]);
     }
@@ -408,7 +413,7 @@ fn rewinding() {
 fn coded_positions_cannot_be_rewritten() {
     let shape = shape(1, 32, 32);
     let a = Tokens::new(8, 300, &shape);
-    let mut layer = PagedLayer::new(Storage { mode: KvMode::Q2, residual: RESIDUAL }, &shape, None, 512, 16);
+    let mut layer = PagedLayer::new(Storage { mode: KvMode::Q2, ..Storage::default() }, &shape, None, 512, 16);
     for pos in 0..300 {
         layer.store(pos, &a.keys[pos], &a.values[pos]);
     }
@@ -443,7 +448,7 @@ fn memory_per_token() {
         let shape = shape(n_kv_head, head_dim, head_dim);
         let plain = (n_kv_head * 2 * head_dim * 2) as f64;
         let ratio = |mode| {
-            let layer = PagedLayer::new(Storage { mode, residual: RESIDUAL }, &shape, None, n_ctx, 512);
+            let layer = PagedLayer::new(Storage { mode, ..Storage::default() }, &shape, None, n_ctx, 512);
             let per_token = layer.bytes() as f64 / n_ctx as f64;
             eprintln!("{name} {mode}: {per_token:.2} bytes/token/layer, {:.4} of plain f16", per_token / plain);
             per_token / plain
