@@ -123,8 +123,8 @@ impl ModelArgs {
 #[derive(Args, Clone)]
 pub struct CacheArgs {
     /// KV cache: f16 keeps keys and values exact; q8, q4 and q2 quantize all
-    /// but the newest 128 tokens (keys per channel over pages of 64 tokens,
-    /// values per token in groups of 32)
+    /// but the first 4 and the newest 128 tokens (keys per channel over pages
+    /// of 64 tokens, values per token in groups of 32)
     #[arg(long = "kv-cache", env = "SIFT_KV_CACHE", default_value = "f16")]
     pub kv_cache: KvMode,
 }
