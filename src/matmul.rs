@@ -7,9 +7,25 @@
 //! ([`simd::Kernels::dot_tile`], bit-identical to the single dots). Work is split
 //! across the pool by blocks of output rows, so each block of weights is read from
 //! memory once for all tokens of a batch.
+//!
+//! [`set_f32_activations`] switches every product to f32 activations against
+//! weights dequantized to f32: much slower, but free of the 8-bit activation
+//! rounding, whose re-drawing by any perturbation upstream is the noise floor
+//! of KL comparisons between cache modes.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 use simd::{kernels, WeightType};
+
+static F32_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
+
+/// Whether products dot f32 activations with weights dequantized to f32
+/// instead of quantizing the activations as ggml does; for the whole
+/// process, as a measurement setting.
+pub fn set_f32_activations(on: bool) {
+    F32_ACTIVATIONS.store(on, Ordering::Relaxed);
+}
 
 /// A weight matrix in GGUF order: `rows` output rows of `cols` inputs each,
 /// stored row after row in its quantized format.
@@ -28,6 +44,8 @@ pub struct MatmulScratch {
     /// Quantized activations; `u64` words keep every activation type's blocks aligned.
     activations: Vec<u64>,
     by_row_block: Vec<f32>,
+    /// The weights in f32, with f32 activations ([`set_f32_activations`]).
+    dequantized: Vec<f32>,
 }
 
 impl<'a> Matrix<'a> {
@@ -47,6 +65,15 @@ impl<'a> Matrix<'a> {
 
     /// `out[t * rows + r] = W[r] · x[t]` for the `x.len() / cols` rows of `x`.
     pub fn matmul(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
+        if self.ty != WeightType::F32 && F32_ACTIVATIONS.load(Ordering::Relaxed) {
+            let mut weights = std::mem::take(&mut scratch.dequantized);
+            weights.resize(self.rows * self.cols, 0.0);
+            weights.par_chunks_mut(self.cols).enumerate().for_each(|(r, out)| self.dequantize_row(r, out));
+            let bytes = bytemuck::cast_slice(&weights);
+            Matrix::new(WeightType::F32, self.rows, self.cols, bytes).expect("f32 rows").matmul(x, out, scratch);
+            scratch.dequantized = weights;
+            return;
+        }
         let n_tokens = x.len() / self.cols;
         assert_eq!(x.len(), n_tokens * self.cols, "activation length is not a whole number of rows");
         assert_eq!(out.len(), n_tokens * self.rows, "output has the wrong length");

@@ -44,6 +44,11 @@ pub struct PerplexityArgs {
     /// Print one JSON object {ppl, ppl_stderr, tokens_scored, chunks, kl?, files: [...]}
     #[arg(long)]
     json: bool,
+    /// Dot f32 activations with weights dequantized to f32, instead of quantizing the activations
+    /// to 8 bits as llama.cpp does: several times slower, but without the activation rounding that
+    /// any change upstream re-draws, the noise floor of --kl-divergence between cache modes
+    #[arg(long)]
+    f32_activations: bool,
 }
 
 /// One file's results.
@@ -65,6 +70,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
+    sift::matmul::set_f32_activations(args.f32_activations);
     let bos = tokenizer.bos().filter(|_| tokenizer.adds_bos());
     let windows = Windows { max: args.chunks, stride: args.stride };
     let tokens = texts
