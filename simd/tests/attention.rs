@@ -24,30 +24,80 @@ fn close(got: f32, want: f64, mag: f64, rel: f64) -> bool {
     (got as f64 - want).abs() <= rel * mag + 1e-30
 }
 
-/// `heads` queries against `n` keys, scores in rows of `n + gap`: every table within
-/// 1e-5 of f64, and each query's scores the same bits whether scored in the group or
-/// alone.
-fn check_scores(dim: usize, heads: usize, n: usize, gap: usize, seed: u64) -> Result<(), TestCaseError> {
+/// The rows a kernel reads: f16 rows, or coded ones, with the numbers the kernels
+/// must take them for.
+enum Rows {
+    Halves(Vec<f16>),
+    Coded(Codes),
+}
+
+/// A coded rows' format: bits, fine codes, group.
+type Format = (u32, bool, usize);
+
+impl Rows {
+    /// `n` random rows of `dim`: f16, or coded in `format`.
+    fn new(n: usize, dim: usize, format: Option<Format>, rng: &mut Rng) -> Self {
+        match format {
+            None => Rows::Halves(random_f16s(n * dim, rng)),
+            Some((bits, fine, group)) => Rows::Coded(Codes::new(n, dim, bits, fine, group, rng)),
+        }
+    }
+
+    /// The numbers the kernels must read, exactly.
+    fn numbers(&self) -> Vec<f32> {
+        match self {
+            Rows::Halves(halves) => halves.iter().map(|h| h.to_f32()).collect(),
+            Rows::Coded(codes) => codes.levels(),
+        }
+    }
+
+    fn scores(&self, k: &simd::Kernels, dim: usize, queries: &[f32], out: &mut [f32], stride: usize) {
+        match self {
+            Rows::Halves(keys) => k.scores_f16(dim, queries, keys, out, stride),
+            Rows::Coded(codes) => k.scores_coded(queries, &codes.rows(), out, stride),
+        }
+    }
+
+    fn add_weighted(&self, k: &simd::Kernels, dim: usize, weights: &[f32], stride: usize, out: &mut [f32]) {
+        match self {
+            Rows::Halves(values) => k.add_weighted_f16(dim, weights, stride, values, out),
+            Rows::Coded(codes) => k.add_weighted_coded(weights, stride, &codes.rows(), out),
+        }
+    }
+}
+
+/// `heads` queries against `n` keys of `dim` (f16, or coded in `format`), scores in
+/// rows of `n + gap`: every table within 1e-5 of f64 over the numbers the keys stand
+/// for, and each query's scores the same bits whether scored in the group or alone.
+fn check_scores(
+    dim: usize,
+    heads: usize,
+    n: usize,
+    gap: usize,
+    format: Option<Format>,
+    seed: u64,
+) -> Result<(), TestCaseError> {
     let mut rng = Rng::new(seed);
     let queries: Vec<f32> = random_f16s(heads * dim, &mut rng).iter().map(|h| h.to_f32()).collect();
-    let keys = random_f16s(n * dim, &mut rng);
+    let keys = Rows::new(n, dim, format, &mut rng);
+    let numbers = keys.numbers();
     let stride = n + gap;
     for k in all_tables() {
         let mut out = vec![f32::NAN; heads * stride];
-        k.scores_f16(dim, &queries, &keys, &mut out, stride);
+        keys.scores(&k, dim, &queries, &mut out, stride);
         for (h, q) in queries.chunks_exact(dim).enumerate() {
             let row = &out[h * stride..][..n];
-            for (j, (&got, key)) in row.iter().zip(keys.chunks_exact(dim)).enumerate() {
-                let terms = q.iter().zip(key).map(|(&a, b)| a as f64 * b.to_f64());
+            for (j, (&got, key)) in row.iter().zip(numbers.chunks_exact(dim)).enumerate() {
+                let terms = q.iter().zip(key).map(|(&a, &b)| a as f64 * b as f64);
                 let (want, mag) = terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()));
                 prop_assert!(
                     close(got, want, mag, 1e-5),
-                    "head {h} of {heads}, key {j} of {n}, dim {dim} on {}: {got} vs {want}",
+                    "head {h} of {heads}, key {j} of {n}, dim {dim}, format {format:?} on {}: {got} vs {want}",
                     k.isa()
                 );
             }
             let mut alone = vec![0.0; n];
-            k.scores_f16(dim, q, &keys, &mut alone, n);
+            keys.scores(&k, dim, q, &mut alone, n);
             prop_assert!(bits_of(&alone) == bits_of(row), "head {h} of {heads} scored alone differs on {}", k.isa());
         }
     }
@@ -56,30 +106,38 @@ fn check_scores(dim: usize, heads: usize, n: usize, gap: usize, seed: u64) -> Re
 
 /// `heads` output rows over `n` value rows, weights in rows of `n + gap`: as
 /// [`check_scores`].
-fn check_add_weighted(dim: usize, heads: usize, n: usize, gap: usize, seed: u64) -> Result<(), TestCaseError> {
+fn check_add_weighted(
+    dim: usize,
+    heads: usize,
+    n: usize,
+    gap: usize,
+    format: Option<Format>,
+    seed: u64,
+) -> Result<(), TestCaseError> {
     let mut rng = Rng::new(seed);
     let stride = n + gap;
     // Probabilities, rounded to f16 as attention's are.
     let weights: Vec<f32> = (0..heads * stride).map(|_| f16::from_f64(rng.unit()).to_f32()).collect();
-    let values = random_f16s(n * dim, &mut rng);
+    let values = Rows::new(n, dim, format, &mut rng);
+    let numbers = values.numbers();
     let start: Vec<f32> = (0..heads * dim).map(|_| rng.normal() as f32).collect();
     for k in all_tables() {
         let mut out = start.clone();
-        k.add_weighted_f16(dim, &weights, stride, &values, &mut out);
+        values.add_weighted(&k, dim, &weights, stride, &mut out);
         for h in 0..heads {
             let (w, start, got) = (&weights[h * stride..][..n], &start[h * dim..][..dim], &out[h * dim..][..dim]);
             for (i, &got) in got.iter().enumerate() {
-                let terms = w.iter().zip(values.chunks_exact(dim)).map(|(&w, v)| w as f64 * v[i].to_f64());
+                let terms = w.iter().zip(numbers.chunks_exact(dim)).map(|(&w, v)| w as f64 * v[i] as f64);
                 let first = (start[i] as f64, (start[i] as f64).abs());
                 let (want, mag) = terms.fold(first, |(s, m), t| (s + t, m + t.abs()));
                 prop_assert!(
                     close(got, want, mag, 1e-5),
-                    "head {h} of {heads}, column {i} of {dim}, {n} rows on {}: {got} vs {want}",
+                    "head {h} of {heads}, column {i} of {dim}, {n} rows, format {format:?} on {}: {got} vs {want}",
                     k.isa()
                 );
             }
             let mut alone = start.to_vec();
-            k.add_weighted_f16(dim, w, n, &values, &mut alone);
+            values.add_weighted(&k, dim, w, n, &mut alone);
             prop_assert!(bits_of(&alone) == bits_of(got), "head {h} of {heads} summed alone differs on {}", k.isa());
         }
     }
@@ -116,14 +174,14 @@ proptest! {
     fn scores_match_f64(
         dim in 1usize..=300, heads in 1usize..=8, n in 0usize..=13, gap in 0usize..=3, seed in any::<u64>()
     ) {
-        check_scores(dim, heads, n, gap, seed)?;
+        check_scores(dim, heads, n, gap, None, seed)?;
     }
 
     #[test]
     fn add_weighted_matches_f64(
         dim in 1usize..=300, heads in 1usize..=8, n in 0usize..=70, gap in 0usize..=3, seed in any::<u64>()
     ) {
-        check_add_weighted(dim, heads, n, gap, seed)?;
+        check_add_weighted(dim, heads, n, gap, None, seed)?;
     }
 
     #[test]
@@ -139,8 +197,8 @@ fn head_sizes_and_edges() {
         for n in [1, 3, 4, 5, 8, 9] {
             let seed = (dim * 100 + n) as u64;
             for heads in [1, 2, 3, 4, 5, 7, 8] {
-                check_scores(dim, heads, n, heads % 3, seed).unwrap();
-                check_add_weighted(dim, heads, n, heads % 2, seed).unwrap();
+                check_scores(dim, heads, n, heads % 3, None, seed).unwrap();
+                check_add_weighted(dim, heads, n, heads % 2, None, seed).unwrap();
             }
         }
     }
@@ -238,7 +296,7 @@ impl Codes {
 }
 
 /// The formats the cache uses: (bits, fine) for index `width`, and its groups.
-fn format(width: usize, per_row: bool) -> (u32, bool, usize) {
+fn format(width: usize, per_row: bool) -> Format {
     let (bits, fine) = [(2, false), (4, false), (8, false), (4, true)][width];
     (bits, fine, if per_row { 32 } else { 1 })
 }
@@ -252,85 +310,6 @@ fn check_levels(rows: usize, dim: usize, width: usize, per_row: bool, seed: u64)
         k.levels_f16(&codes.rows(), &mut out);
         let got: Vec<u16> = out.iter().map(|x| x.to_bits()).collect();
         prop_assert!(got == want, "{rows}×{dim} {bits}-bit codes (fine: {fine}), groups of {group} on {}", k.isa());
-    }
-    Ok(())
-}
-
-/// `heads` queries against `n` coded keys of `dim`, scores in rows of `n + gap`:
-/// every table within 1e-5 of f64 over the reference's levels, and each query's
-/// scores the same bits whether scored in the group or alone.
-fn check_scores_coded(
-    dim: usize,
-    heads: usize,
-    n: usize,
-    gap: usize,
-    format: (u32, bool, usize),
-    seed: u64,
-) -> Result<(), TestCaseError> {
-    let (bits, fine, group) = format;
-    let mut rng = Rng::new(seed);
-    let queries: Vec<f32> = random_f16s(heads * dim, &mut rng).iter().map(|h| h.to_f32()).collect();
-    let codes = Codes::new(n, dim, bits, fine, group, &mut rng);
-    let levels = codes.levels();
-    let stride = n + gap;
-    for k in all_tables() {
-        let mut out = vec![f32::NAN; heads * stride];
-        k.scores_coded(&queries, &codes.rows(), &mut out, stride);
-        for (h, q) in queries.chunks_exact(dim).enumerate() {
-            let row = &out[h * stride..][..n];
-            for (j, (&got, key)) in row.iter().zip(levels.chunks_exact(dim)).enumerate() {
-                let terms = q.iter().zip(key).map(|(&a, &b)| a as f64 * b as f64);
-                let (want, mag) = terms.fold((0.0, 0.0), |(s, m), t| (s + t, m + t.abs()));
-                prop_assert!(
-                    close(got, want, mag, 1e-5),
-                    "head {h} of {heads}, key {j} of {n}, dim {dim}, {bits}-bit (fine: {fine}), groups of {group} on {}: {got} vs {want}",
-                    k.isa()
-                );
-            }
-            let mut alone = vec![0.0; n];
-            k.scores_coded(q, &codes.rows(), &mut alone, n);
-            prop_assert!(bits_of(&alone) == bits_of(row), "head {h} of {heads} scored alone differs on {}", k.isa());
-        }
-    }
-    Ok(())
-}
-
-/// `heads` output rows over `n` coded value rows, weights in rows of `n + gap`: as
-/// [`check_scores_coded`].
-fn check_add_weighted_coded(
-    dim: usize,
-    heads: usize,
-    n: usize,
-    gap: usize,
-    format: (u32, bool, usize),
-    seed: u64,
-) -> Result<(), TestCaseError> {
-    let (bits, fine, group) = format;
-    let mut rng = Rng::new(seed);
-    let stride = n + gap;
-    let weights: Vec<f32> = (0..heads * stride).map(|_| f16::from_f64(rng.unit()).to_f32()).collect();
-    let codes = Codes::new(n, dim, bits, fine, group, &mut rng);
-    let levels = codes.levels();
-    let start: Vec<f32> = (0..heads * dim).map(|_| rng.normal() as f32).collect();
-    for k in all_tables() {
-        let mut out = start.clone();
-        k.add_weighted_coded(&weights, stride, &codes.rows(), &mut out);
-        for h in 0..heads {
-            let (w, start, got) = (&weights[h * stride..][..n], &start[h * dim..][..dim], &out[h * dim..][..dim]);
-            for (i, &got) in got.iter().enumerate() {
-                let terms = w.iter().zip(levels.chunks_exact(dim)).map(|(&w, v)| w as f64 * v[i] as f64);
-                let first = (start[i] as f64, (start[i] as f64).abs());
-                let (want, mag) = terms.fold(first, |(s, m), t| (s + t, m + t.abs()));
-                prop_assert!(
-                    close(got, want, mag, 1e-5),
-                    "head {h} of {heads}, column {i} of {dim}, {n} rows, {bits}-bit (fine: {fine}), groups of {group} on {}: {got} vs {want}",
-                    k.isa()
-                );
-            }
-            let mut alone = start.to_vec();
-            k.add_weighted_coded(w, n, &codes.rows(), &mut alone);
-            prop_assert!(bits_of(&alone) == bits_of(got), "head {h} of {heads} summed alone differs on {}", k.isa());
-        }
     }
     Ok(())
 }
@@ -352,7 +331,7 @@ proptest! {
         dim in 1usize..=300, heads in 1usize..=5, n in 0usize..=13, gap in 0usize..=3,
         width in 0usize..4, per_row in any::<bool>(), seed in any::<u64>()
     ) {
-        check_scores_coded(dim, heads, n, gap, format(width, per_row), seed)?;
+        check_scores(dim, heads, n, gap, Some(format(width, per_row)), seed)?;
     }
 
     #[test]
@@ -360,7 +339,7 @@ proptest! {
         dim in 1usize..=300, heads in 1usize..=5, n in 0usize..=70, gap in 0usize..=3,
         width in 0usize..4, per_row in any::<bool>(), seed in any::<u64>()
     ) {
-        check_add_weighted_coded(dim, heads, n, gap, format(width, per_row), seed)?;
+        check_add_weighted(dim, heads, n, gap, Some(format(width, per_row)), seed)?;
     }
 }
 
@@ -375,8 +354,8 @@ fn coded_head_sizes_and_edges() {
                     let seed = (dim * 1000 + n * 10 + width) as u64;
                     check_levels(n, dim, width, per_row, seed).unwrap();
                     for heads in 1..=5 {
-                        check_scores_coded(dim, heads, n, heads % 3, format(width, per_row), seed).unwrap();
-                        check_add_weighted_coded(dim, heads, n, heads % 2, format(width, per_row), seed).unwrap();
+                        check_scores(dim, heads, n, heads % 3, Some(format(width, per_row)), seed).unwrap();
+                        check_add_weighted(dim, heads, n, heads % 2, Some(format(width, per_row)), seed).unwrap();
                     }
                 }
             }
