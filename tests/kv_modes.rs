@@ -459,3 +459,47 @@ fn memory_per_token() {
         assert!(q2 < q4 && q4 < q8 && q8 < f16, "{name}: {q2} {q4} {q8} {f16}");
     }
 }
+
+/// Attention calls that overlap on one thread pool (two sessions, say): a
+/// thread waiting in one call's parallel loop runs the other call, and both
+/// still give the results of calls made one after the other.
+#[test]
+fn overlapping_attention_calls_agree_with_sequential_ones() {
+    let (shape, len, batch) = (shape(1, 64, 80), 40 * PAGE + 3, 64);
+    let tokens = Tokens::new(21, len, &shape);
+    let mut layer = PagedLayer::new(Storage { mode: KvMode::Q4, ..Storage::default() }, &shape, None, len, batch);
+    for pos in 0..len {
+        layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
+    }
+    let mut rng = Rng(22);
+    let queries: Vec<f32> = (0..batch * 4 * 64).map(|_| f16::from_f64(rng.normal() / 8.0).to_f32()).collect();
+    let pos0 = len - batch;
+    let (keys, values) = (tokens.keys[pos0..].concat(), tokens.values[pos0..].concat());
+    let attention = AttentionBatch {
+        queries: &queries,
+        keys: &keys,
+        values: &values,
+        pos0,
+        n_head: 4,
+        head_dim_k: 64,
+        head_dim_v: 80,
+        n_gqa: 4,
+        scale: 0.125,
+    };
+    let run = || {
+        let mut out = vec![0.0; batch * 4 * 80];
+        attend(&attention, &layer, &mut out);
+        out
+    };
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+    let alone = pool.install(run);
+    // Callers outside the pool, as sessions on their own threads are.
+    std::thread::scope(|scope| {
+        let callers: Vec<_> =
+            (0..4).map(|_| scope.spawn(|| (0..8).map(|_| pool.install(run)).collect::<Vec<_>>())).collect();
+        for caller in callers {
+            let outs = caller.join().expect("no call panics");
+            assert!(outs.iter().all(|out| *out == alone), "overlapping calls differ from a call alone");
+        }
+    });
+}

@@ -25,6 +25,7 @@
 
 use std::cell::RefCell;
 use std::ops::Range;
+use std::thread::LocalKey;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -85,6 +86,11 @@ struct Staged {
     positions: Range<usize>,
 }
 
+// The buffers of a call that runs parallel loops (all but AFFINE) are taken
+// out of their thread's slot for the call, never borrowed across it: a thread
+// waiting in a parallel loop may run another attention call meanwhile (work
+// stealing; another session's, say), which then takes a fresh buffer instead
+// of finding this one borrowed.
 thread_local! {
     static GROUP: RefCell<GroupScratch> = RefCell::default();
     static STAGED: RefCell<Staged> = RefCell::default();
@@ -103,10 +109,18 @@ thread_local! {
 /// positions, each group's positions are split among the threads instead.
 pub fn attend(batch: &AttentionBatch, cache: &PagedLayer, out: &mut [f32]) {
     let kernels = simd::kernels();
-    OWN.with_borrow_mut(|own| {
+    with_taken(&OWN, |own| {
         own.fill(batch);
         attend_with(kernels, batch, cache, own, out);
     });
+}
+
+/// `f` of the calling thread's buffer in `slot`, taken out for the call.
+fn with_taken<T: Default, R>(slot: &'static LocalKey<RefCell<T>>, f: impl FnOnce(&mut T) -> R) -> R {
+    let mut buffer = slot.take();
+    let result = f(&mut buffer);
+    slot.set(buffer);
+    result
 }
 
 /// [`attend`], with the batch's own rows taken in.
@@ -116,7 +130,7 @@ fn attend_with(kernels: &Kernels, batch: &AttentionBatch, cache: &PagedLayer, ow
     let (coded, first) = (cache.coded(), cache.visible(batch.pos0).start);
     let start = coded.start.max(first);
     let end = if own.n_tokens >= STAGE_MIN { coded.end.min(batch.pos0).max(start) } else { start };
-    STAGED.with_borrow_mut(|staged| {
+    with_taken(&STAGED, |staged| {
         staged.fill(cache, batch, start..end);
         let staged = &*staged;
         let group = |i: usize| {
@@ -137,11 +151,11 @@ fn attend_with(kernels: &Kernels, batch: &AttentionBatch, cache: &PagedLayer, ow
         let longest = cache.visible(batch.pos0 + own.n_tokens - 1).len();
         if n_groups < threads && longest >= SPLIT_MIN {
             for (i, out) in out.chunks_mut(group_len).enumerate() {
-                GROUP.with_borrow_mut(|scratch| group(i).attend(kernels, scratch, out, 2 * threads));
+                with_taken(&GROUP, |scratch| group(i).attend(kernels, scratch, out, 2 * threads));
             }
         } else {
             out.par_chunks_mut(group_len).enumerate().for_each(|(i, out)| {
-                GROUP.with_borrow_mut(|scratch| group(i).attend(kernels, scratch, out, 1));
+                with_taken(&GROUP, |scratch| group(i).attend(kernels, scratch, out, 1));
             });
         }
     });
