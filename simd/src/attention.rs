@@ -268,41 +268,19 @@ pub(crate) struct Coded<'a, const BITS: u32, const FINE: bool, const SHARED: boo
 
 /// Evaluates `$body` with `$coded` the [`Coded`] rows of `$rows`'s format.
 macro_rules! with_format {
-    ($rows:expr, |$coded:ident| $body:expr) => {{
+    ($rows:expr, |$coded:ident| $body:expr) => {
+        with_format!($rows, $coded, $body, [
+            (2, false, true), (2, false, false), (4, false, true), (4, false, false),
+            (4, true, true), (4, true, false), (8, false, true), (8, false, false)
+        ])
+    };
+    ($rows:expr, $coded:ident, $body:expr, [$(($bits:literal, $fine:literal, $shared:literal)),*]) => {{
         let rows: CodeRows = *$rows;
         match (rows.bits, rows.fine.is_some(), rows.group == 1) {
-            (2, false, true) => {
-                let $coded = Coded::<2, false, true>(rows);
+            $(($bits, $fine, $shared) => {
+                let $coded = Coded::<$bits, $fine, $shared>(rows);
                 $body
-            }
-            (2, false, false) => {
-                let $coded = Coded::<2, false, false>(rows);
-                $body
-            }
-            (4, false, true) => {
-                let $coded = Coded::<4, false, true>(rows);
-                $body
-            }
-            (4, false, false) => {
-                let $coded = Coded::<4, false, false>(rows);
-                $body
-            }
-            (4, true, true) => {
-                let $coded = Coded::<4, true, true>(rows);
-                $body
-            }
-            (4, true, false) => {
-                let $coded = Coded::<4, true, false>(rows);
-                $body
-            }
-            (8, false, true) => {
-                let $coded = Coded::<8, false, true>(rows);
-                $body
-            }
-            (8, false, false) => {
-                let $coded = Coded::<8, false, false>(rows);
-                $body
-            }
+            })*
             _ => unreachable!("the table's caller checks the format"),
         }
     }};
