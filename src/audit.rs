@@ -10,6 +10,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -255,6 +256,28 @@ impl Drop for AuditLog {
     fn drop(&mut self) {
         if let Some(partial) = &self.partial {
             let _ = std::fs::remove_file(partial);
+        }
+    }
+}
+
+/// Writes a token's audit line, if an audit is being written. The first failure is kept in
+/// `failure` and stops the generation: an audit with a gap is worth nothing.
+pub fn audit_token(
+    audit: Option<&mut AuditLog>,
+    failure: &mut Option<AuditError>,
+    sampled: &Sampled,
+    tokenizer: &Tokenizer,
+    turn: Option<usize>,
+) -> ControlFlow<()> {
+    let Some(audit) = audit else {
+        return ControlFlow::Continue(());
+    };
+    // Attention is dense today, so exact.
+    match audit.token(&AuditRecord::new(sampled, tokenizer, turn, Certificate::DENSE)) {
+        Ok(()) => ControlFlow::Continue(()),
+        Err(e) => {
+            *failure = Some(e);
+            ControlFlow::Break(())
         }
     }
 }
