@@ -123,9 +123,11 @@ impl<'m> Conversation<'m> {
         }
     }
 
-    /// How many of `ids` the cache already holds, and so will not be prefilled again.
+    /// How many of `ids` the cache already holds, and so will not be prefilled again. At least
+    /// one token must be left to prefill, for the logits after it: a prompt that the cache holds
+    /// whole is prefilled anew.
     pub fn reusable(&self, ids: &[u32]) -> usize {
-        if ids.starts_with(&self.cached) {
+        if ids.len() > self.cached.len() && ids.starts_with(&self.cached) {
             self.cached.len()
         } else {
             0

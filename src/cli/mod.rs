@@ -6,6 +6,7 @@ mod chat;
 mod inspect;
 mod perplexity;
 mod run;
+mod serve;
 mod tokenize;
 
 use std::io::Read;
@@ -53,6 +54,8 @@ enum Command {
     Run(run::RunArgs),
     /// Talk with the model in turns, with its chat template; piped input is one message a line.
     Chat(chat::ChatArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API, with a chat page at /.
+    Serve(serve::ServeArgs),
     /// Measure perplexity of a text file, as llama-perplexity does.
     Perplexity(perplexity::PerplexityArgs),
     /// Print the token ids of a text.
@@ -216,6 +219,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
         Command::Chat(args) => chat::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::Inspect(args) => inspect::run(args),
