@@ -32,25 +32,8 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use simd::Kernels;
 
+use super::{row_bytes, AttentionBatch, AttentionKind, AttentionPolicy, Certificate, HeadRecord, LayerCall};
 use crate::kv::{PagedLayer, Rows, PAGE};
-
-/// What one layer's attention needs to know about the batch.
-pub struct AttentionBatch<'a> {
-    /// Queries after RoPE: `n_tokens` rows of `n_head * head_dim_k`.
-    pub queries: &'a [f32],
-    /// The batch's keys (after RoPE) and values, as stored in the cache:
-    /// `n_tokens` rows of `n_kv_head * head_dim_k` and `n_kv_head * head_dim_v`.
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
-    /// Position of the batch's first token.
-    pub pos0: usize,
-    pub n_head: usize,
-    pub head_dim_k: usize,
-    pub head_dim_v: usize,
-    /// Query heads per KV head.
-    pub n_gqa: usize,
-    pub scale: f32,
-}
 
 /// Visible positions from which one group's keys are split among the threads,
 /// when the batch has too few groups to keep every thread busy (decoding).
@@ -98,6 +81,47 @@ thread_local! {
     static OWN: RefCell<BatchRows> = RefCell::default();
     /// A thread's minima and steps of the coded page it reads, in f32.
     static AFFINE: RefCell<Vec<f32>> = RefCell::default();
+}
+
+/// Exact attention as a policy: every call dense, every head's certificate
+/// zero.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Dense;
+
+impl AttentionPolicy for Dense {
+    fn kind(&self) -> AttentionKind {
+        AttentionKind::Dense
+    }
+
+    fn reads_sketch(&self) -> bool {
+        false
+    }
+
+    fn attend(&mut self, call: &LayerCall, out: &mut [f32], records: &mut Vec<HeadRecord>) {
+        attend(call.batch, call.cache, out);
+        record_dense(call, records);
+    }
+}
+
+/// Appends a record of dense attention for every query head of `call`.
+pub fn record_dense(call: &LayerCall, records: &mut Vec<HeadRecord>) {
+    let batch = call.batch;
+    let tokens = 0..batch.n_tokens();
+    let visible: usize = tokens.clone().map(|t| call.visible(t).len()).sum();
+    for kv_head in 0..batch.n_kv_head() {
+        let bytes: usize = tokens.clone().map(|t| row_bytes(call.cache, kv_head, call.visible(t))).sum();
+        records.extend((0..batch.n_gqa).map(|g| HeadRecord {
+            layer: call.layer,
+            head: kv_head * batch.n_gqa + g,
+            certificate: Certificate::DENSE,
+            level: None,
+            fallback: false,
+            visible,
+            keys_read: visible,
+            bytes_read: bytes as f64 / batch.n_gqa as f64,
+            estimate: None,
+        }));
+    }
 }
 
 /// `out` gets `n_tokens` rows of `n_head * head_dim_v`: for every token and
