@@ -10,12 +10,13 @@
 //! everywhere else.
 
 pub mod dense;
+pub mod read;
 
 use std::ops::Range;
 
 use serde::Serialize;
 
-use crate::kv::{PagedLayer, Rows};
+use crate::kv::PagedLayer;
 
 /// What one layer's attention needs to know about the batch.
 pub struct AttentionBatch<'a> {
@@ -250,25 +251,4 @@ pub struct Estimate {
     /// The error bound the certificate proved, on its measure's scale (at
     /// most ε where the head is certified).
     pub bound: f64,
-}
-
-/// The bytes of `head`'s keys and values at `positions` as the cache holds
-/// them: f16 rows, or a coded page's share per row of its codes, minima and
-/// steps.
-pub fn row_bytes(cache: &PagedLayer, head: usize, positions: Range<usize>) -> usize {
-    let keys: usize = cache
-        .key_rows(head, positions.clone())
-        .map(|rows| match rows {
-            Rows::Exact(rows) => std::mem::size_of_val(rows),
-            Rows::Coded(sketch, rows) => rows.len() * sketch.bytes() / crate::kv::PAGE,
-        })
-        .sum();
-    let values: usize = cache
-        .value_rows(head, positions)
-        .map(|rows| match rows {
-            Rows::Exact(rows) => std::mem::size_of_val(rows),
-            Rows::Coded(values, rows) => rows.len() * values.bytes() / crate::kv::PAGE,
-        })
-        .sum();
-    keys + values
 }
