@@ -127,6 +127,7 @@ pub fn record_dense(call: &LayerCall, records: &mut Vec<HeadRecord>) {
             keys_read: visible,
             bytes_read: bytes as f64 / batch.n_gqa as f64,
             estimate: None,
+            audit: None,
         }));
     }
 }

@@ -9,8 +9,10 @@
 //! steps whose pool is large enough to pay ([`worth_sparse`]) and are dense
 //! everywhere else.
 
+pub mod audit;
 pub mod dense;
 pub mod read;
+pub mod topk;
 
 use std::ops::Range;
 
@@ -100,6 +102,30 @@ pub const SPARSE_MIN_VISIBLE: usize = 1024;
 /// that sees at least [`SPARSE_MIN_VISIBLE`] positions.
 pub fn worth_sparse(call: &LayerCall) -> bool {
     call.is_decoding_step() && call.visible(0).len() >= SPARSE_MIN_VISIBLE
+}
+
+/// The newest positions a sparse policy always reads exactly.
+pub const WINDOW: usize = 64;
+
+/// The first positions a sparse policy always reads exactly (when visible):
+/// attention sinks draw much of every head's attention.
+pub const SINKS: usize = 4;
+
+/// A step's visible positions as a sparse policy splits them: the exact
+/// sinks and window, and the pool between them, from which it chooses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Split {
+    pub sinks: Range<usize>,
+    pub pool: Range<usize>,
+    pub window: Range<usize>,
+}
+
+impl Split {
+    pub fn of(visible: Range<usize>) -> Self {
+        let sinks = visible.start..SINKS.clamp(visible.start, visible.end);
+        let window = visible.end.saturating_sub(WINDOW).max(sinks.end)..visible.end;
+        Self { pool: sinks.end..window.start, sinks, window }
+    }
 }
 
 /// Which method computed a head's attention, and so what its certificate
@@ -240,6 +266,24 @@ pub struct HeadRecord {
     /// What the estimate itself says, for an audit to measure its error.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub estimate: Option<Estimate>,
+    /// The audit's comparison with exact attention, where one ran
+    /// ([`audit::Audited`]); policies leave it `None`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub audit: Option<Checked>,
+}
+
+/// How far a head's output was from exact attention's, as the audit
+/// measured it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Checked {
+    /// The scale the error is on: the certificate's, else the audit's.
+    pub measure: Measure,
+    /// The error on that scale.
+    pub error: f64,
+    /// The bytes dense attention reads for the head over the same cache.
+    pub dense_bytes: f64,
+    /// Certified, and the error above the certificate's ε.
+    pub violated: bool,
 }
 
 /// A sparse estimate's own numbers.

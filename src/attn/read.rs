@@ -184,7 +184,13 @@ pub fn runs(positions: impl IntoIterator<Item = usize>) -> impl Iterator<Item = 
 /// ranges (adjacent pages make one).
 pub fn pages(pages: impl IntoIterator<Item = usize>, visible: Range<usize>) -> impl Iterator<Item = Range<usize>> {
     let clip = move |p: usize| (p * PAGE).max(visible.start)..((p + 1) * PAGE).min(visible.end);
-    let mut ranges = pages.into_iter().map(clip).filter(|r| !r.is_empty()).peekable();
+    join(pages.into_iter().map(clip))
+}
+
+/// Sorted disjoint `ranges` with the empty ones dropped and adjacent ones
+/// made one.
+pub fn join(ranges: impl IntoIterator<Item = Range<usize>>) -> impl Iterator<Item = Range<usize>> {
+    let mut ranges = ranges.into_iter().filter(|r| !r.is_empty()).peekable();
     std::iter::from_fn(move || {
         let mut range = ranges.next()?;
         while let Some(next) = ranges.next_if(|next| next.start == range.end) {
@@ -216,5 +222,11 @@ mod tests {
     fn pages_are_clipped_to_the_visible_positions_and_joined() {
         let ranges: Vec<_> = pages([0, 1, 3, 9], 10..200).collect();
         assert_eq!(ranges, vec![10..128, 192..200]);
+    }
+
+    #[test]
+    fn join_drops_empty_ranges_and_joins_adjacent_ones() {
+        let ranges: Vec<_> = join([0..4, 4..4, 4..9, 20..30, 30..31]).collect();
+        assert_eq!(ranges, vec![0..9, 20..31]);
     }
 }
