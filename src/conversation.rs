@@ -13,6 +13,7 @@
 
 use std::ops::ControlFlow;
 
+use crate::attn::AttentionPolicy;
 use crate::chat::{self, ChatError, ChatTemplate, Message};
 use crate::engine::{EngineError, Session, DEFAULT_BATCH};
 use crate::generate::{generate, Generated, Limits, Sampled};
@@ -65,15 +66,17 @@ pub struct Conversation<'m> {
 }
 
 impl<'m> Conversation<'m> {
+    /// A conversation whose session keeps its cache as `storage` says and attends with `policy`.
     pub fn new(
         model: &'m Model<'m>,
         tokenizer: &'m Tokenizer,
         n_ctx: usize,
         storage: Storage,
+        policy: Box<dyn AttentionPolicy>,
         sampling: SamplingParams,
     ) -> Self {
         Self {
-            session: Session::with_cache(model, n_ctx, DEFAULT_BATCH, storage),
+            session: Session::with_policy(model, n_ctx, DEFAULT_BATCH, storage, policy),
             tokenizer,
             sampler: Sampler::new(sampling.clone()),
             sampling,

@@ -18,6 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::Context;
 use clap::Args;
 use rustyline::error::ReadlineError;
+use sift::attn::dense::Dense;
+use sift::attn::AttentionKind;
 use sift::audit::{audit_token, AuditError, AuditHeader, AuditLog, AuditSummary, ReplySummary};
 use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation, Stats};
@@ -73,7 +75,15 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let sampling = args.generation.sampling();
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
-        audit.header(&AuditHeader::new(file.path(), model.hp.arch.gguf_name(), kv_cache, n_ctx, &sampling, None))?;
+        audit.header(&AuditHeader::new(
+            file.path(),
+            model.hp.arch.gguf_name(),
+            kv_cache,
+            AttentionKind::Dense,
+            n_ctx,
+            &sampling,
+            None,
+        ))?;
     }
     if !args.quiet {
         eprintln!(
@@ -86,7 +96,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     }
     let storage = args.generation.cache.storage();
     let mut chat = Chat {
-        conversation: Conversation::new(&model, &tokenizer, n_ctx, storage, sampling),
+        conversation: Conversation::new(&model, &tokenizer, n_ctx, storage, Box::new(Dense), sampling),
         template,
         messages: Vec::new(),
         max_tokens: args.n_predict,

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use clap::builder::NonEmptyStringValueParser;
 use clap::Args;
+use sift::attn::dense::Dense;
+use sift::attn::AttentionKind;
 use sift::audit::{audit_token, AuditHeader, AuditSummary};
 use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation};
@@ -70,12 +72,20 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let sampling = args.generation.sampling();
     let storage = args.generation.cache.storage();
-    let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, sampling.clone());
+    let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, Box::new(Dense), sampling.clone());
     conversation.check_fits(&prompt_ids)?;
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
         let arch = model.hp.arch.gguf_name();
-        audit.header(&AuditHeader::new(file.path(), arch, kv_cache, n_ctx, &sampling, Some(prompt_ids.len())))?;
+        audit.header(&AuditHeader::new(
+            file.path(),
+            arch,
+            kv_cache,
+            AttentionKind::Dense,
+            n_ctx,
+            &sampling,
+            Some(prompt_ids.len()),
+        ))?;
     }
     if !args.quiet {
         if let Some(template) = &template {

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
+use sift::attn::dense::Dense;
 use sift::chat::ChatTemplate;
 use sift::conversation::Conversation;
 use sift::model::Model;
@@ -55,7 +56,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
     let sampling = args.generation.sampling();
     let storage = args.generation.cache.storage();
-    let conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, sampling.clone());
+    let conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, Box::new(Dense), sampling.clone());
     let listener = TcpListener::bind((args.host, args.port))
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
     let address = listener.local_addr().context("reading the address listened on")?;

@@ -7,7 +7,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::audit::{AuditRecord, Certificate, TOP};
+use crate::attn::Certificate;
+use crate::audit::{AuditRecord, TOP};
 use crate::chat::Message;
 use crate::generate::StopReason;
 use crate::sample::SamplingParams;

@@ -14,7 +14,8 @@ use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::audit::{AuditRecord, Certificate, TOP};
+use crate::attn::Certificate;
+use crate::audit::{AuditRecord, TOP};
 use crate::chat::{ChatTemplate, Message};
 use crate::conversation::{chat_prompt, Conversation, ConversationError};
 use crate::engine::EngineError;
@@ -59,6 +60,7 @@ pub enum Event {
 pub struct Finished {
     pub stop: StopReason,
     pub completion_tokens: usize,
+    /// The weakest certificate of the steps that sampled the reply's tokens.
     pub attention: Certificate,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
@@ -133,12 +135,14 @@ impl Worker<'_> {
         let on_text = |text: &str| {
             let _ = send(Event::Text(text.to_string()));
         };
+        let mut attention = Certificate::DENSE;
         let on_token = |sampled: &Sampled| {
             if job.events.is_closed() {
                 return ControlFlow::Break(());
             }
+            attention = weaker(attention, Certificate::weakest(sampled.attention));
             if let (Some(top), false) = (params.top_logprobs, tokenizer.is_eog(sampled.token)) {
-                let record = AuditRecord::new(sampled, tokenizer, None, Certificate::DENSE);
+                let record = AuditRecord::new(sampled, tokenizer, None);
                 let _ = send(Event::Token(TokenLogprob::new(&record, tokenizer, top.min(TOP))));
             }
             ControlFlow::Continue(())
@@ -150,11 +154,19 @@ impl Worker<'_> {
         let _ = send(Event::Finished(Finished {
             stop: generated.stop,
             completion_tokens: generated.tokens.len(),
-            // Attention is dense today, so exact.
-            attention: Certificate::DENSE,
+            attention,
             prefill_tok_s: generated.prefill_tok_s(),
             decode_tok_s: generated.decode_tok_s(),
         }));
         Ok(())
+    }
+}
+
+/// The weaker of two certificates: the larger ε, then the larger δ.
+fn weaker(a: Certificate, b: Certificate) -> Certificate {
+    if (b.epsilon, b.delta) > (a.epsilon, a.delta) {
+        b
+    } else {
+        a
     }
 }
