@@ -81,7 +81,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             kv_cache,
             AttentionKind::Dense,
             n_ctx,
-            &sampling,
+            Some(&sampling),
             None,
         ))?;
     }

@@ -1,6 +1,7 @@
 //! Subcommands and what they share: finding and opening the model, threads,
 //! exit codes.
 
+mod attn;
 mod bench;
 mod chat;
 mod inspect;

@@ -83,7 +83,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             kv_cache,
             AttentionKind::Dense,
             n_ctx,
-            &sampling,
+            Some(&sampling),
             Some(prompt_ids.len()),
         ))?;
     }
