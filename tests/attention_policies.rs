@@ -58,7 +58,7 @@ struct Fixture {
 impl Fixture {
     fn new(mode: KvMode, seed: u64) -> Self {
         let shape = CacheShape { n_kv_head: N_KV_HEAD, head_dim_k: DIM_K, head_dim_v: DIM_V, windows: vec![None] };
-        let mut layer = PagedLayer::new(Storage { mode, ..Storage::default() }, &shape, None, LEN, 1);
+        let mut layer = PagedLayer::new(Storage { mode, key_sketch: true, ..Storage::default() }, &shape, None, LEN, 1);
         let mut rng = Rng(seed);
         let lean: Vec<f64> = (0..LEN.div_ceil(PAGE)).map(|_| 3.0 * rng.unit().powi(4)).collect();
         let (mut keys, mut values) = (Vec::new(), Vec::new());
