@@ -1,3 +1,4 @@
 //! Attention over the KV cache.
 
+pub mod certified;
 pub mod dense;
