@@ -21,9 +21,8 @@
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
-use sift::attn::certified::{
-    Grid, HeadAttention, HeadKeys, Measure, Params, PerturbationSeed, Perturbations, Stop, WINDOW,
-};
+use sift::attn::certified::{Grid, HeadAttention, HeadKeys, Params, PerturbationSeed, Perturbations, Stop};
+use sift::attn::{Measure, WINDOW};
 
 const KEYS: usize = 4096;
 const DIM: usize = 16;
@@ -309,8 +308,8 @@ fn assert_valid(calls: u64) {
                             Measure::Denominator => {
                                 ((certificate.denominator - exact.denominator).abs(), exact.denominator)
                             }
-                            Measure::OutputNorm => (distance(&out, &exact.output), exact_norm),
-                            Measure::ValueScale => (distance(&out, &exact.output), exact.value_scale),
+                            Measure::Output => (distance(&out, &exact.output), exact_norm),
+                            Measure::Value => (distance(&out, &exact.output), exact.value_scale),
                         };
                         // The f32 output's rounding is allowed beside ε.
                         let allowed = eps * scale + 1e-6 * exact.value_scale;

@@ -93,7 +93,7 @@
 //!   `ζ` (one event); with them `dD`, `D_lo`, `D_hi`, `σ²`, `β`, `M_lo`.
 
 use super::estimate::LevelSums;
-use super::levels::Measure;
+use crate::attn::Measure;
 
 /// The Chernoff interval `[μ_lo(k), μ_hi(k)]` at one `δ'`, kept per `k`.
 #[derive(Clone, Debug)]
@@ -240,7 +240,7 @@ pub fn certify(sums: &LevelSums, inputs: &CertificateInputs) -> LevelCertificate
     let beta = (zeta + distance2.sqrt() * denominator_error) / denominator_low;
     let output_low = output_norm2.sqrt() - beta;
     let scale = match measure {
-        Measure::OutputNorm => output_low,
+        Measure::Output => output_low,
         _ => (sums.exact_square / denominator_high).sqrt().max(output_low),
     };
     certificate.output_error = beta;

@@ -35,7 +35,8 @@
 
 use super::certificate::{certify, CertificateInputs, Chernoff, LevelCertificate};
 use super::estimate::LevelSums;
-use super::levels::{event_budget, Grid, Measure};
+use super::levels::{event_budget, Grid};
+use crate::attn::Measure;
 
 /// A certified attention's parameters.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -50,7 +51,7 @@ pub struct Params {
 
 impl Default for Params {
     fn default() -> Self {
-        Self { eps: 0.1, delta: 1e-3, measure: Measure::ValueScale, grid: Grid::default() }
+        Self { eps: 0.1, delta: 1e-3, measure: Measure::Value, grid: Grid::default() }
     }
 }
 
@@ -99,6 +100,10 @@ pub struct HeadRecord {
     pub values_read: usize,
     /// The level's certificate (none on a fallback, which is exact).
     pub certificate: Option<LevelCertificate>,
+    /// The shift `c` (the largest score) and the denominator relative to
+    /// it: `D̂` at the level stopped at, or `D` on a fallback.
+    pub shift: f64,
+    pub denominator: f64,
 }
 
 impl HeadRecord {
@@ -164,9 +169,18 @@ impl HeadAttention {
     pub fn attend(&mut self, keys: &mut impl HeadKeys, stop: Stop, out: &mut [f32]) -> HeadRecord {
         let dim = keys.value_dim();
         let grid = self.params.grid;
-        let mut record =
-            HeadRecord { level: None, pool: keys.pool_len(), refined: 0, scored: 0, values_read: 0, certificate: None };
+        let mut record = HeadRecord {
+            level: None,
+            pool: keys.pool_len(),
+            refined: 0,
+            scored: 0,
+            values_read: 0,
+            certificate: None,
+            shift: 0.0,
+            denominator: 0.0,
+        };
         let c = self.shift(keys, &mut record);
+        record.shift = c;
         self.sums.reset(dim);
         self.value.resize(dim, 0.0);
         self.output.resize(dim, 0.0);
@@ -199,6 +213,7 @@ impl HeadAttention {
             if stop == Stop::AtLevel(j) || (stop == Stop::Certified && certificate.meets(self.params.eps)) {
                 record.level = Some(j);
                 record.certificate = Some(certificate);
+                record.denominator = certificate.denominator;
                 out.iter_mut().zip(&self.output).for_each(|(o, &x)| *o = x as f32);
                 return record;
             }
@@ -320,6 +335,7 @@ impl HeadAttention {
             self.sums.add_exact((s - c).exp(), &self.value);
         }
         record.values_read = keys.pool_len();
+        record.denominator = self.sums.exact_weight;
         self.sums.output(0.0, &mut self.output);
         out.iter_mut().zip(&self.output).for_each(|(o, &x)| *o = x as f32);
     }

@@ -31,6 +31,8 @@
 //! The denominator measure needs only the two Chernoff events (`e = 2`),
 //! the output measures all three (`e = 3`).
 
+use crate::attn::Measure;
+
 /// The thresholds `τ_j = 2^(−j/r)`, `j = 0..=last`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Grid {
@@ -88,33 +90,17 @@ impl Grid {
     }
 }
 
-/// What a certificate claims, and so which confidence events it rests on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Measure {
-    /// `|D̂ − D| ≤ ε·D`.
-    Denominator,
-    /// `‖ô − o‖ ≤ ε·‖o‖`.
-    OutputNorm,
-    /// `‖ô − o‖ ≤ ε·M`, `M² = Σ a_i‖v_i‖²` (the seed's default).
-    #[default]
-    ValueScale,
-}
-
-impl Measure {
-    pub const ALL: [Measure; 3] = [Measure::Denominator, Measure::OutputNorm, Measure::ValueScale];
-
-    /// Confidence events per level.
-    pub fn events_per_level(self) -> usize {
-        match self {
-            Measure::Denominator => 2,
-            Measure::OutputNorm | Measure::ValueScale => 3,
-        }
+/// Confidence events per level for a certificate on `measure`'s scale.
+pub fn events_per_level(measure: Measure) -> usize {
+    match measure {
+        Measure::Denominator => 2,
+        Measure::Output | Measure::Value => 3,
     }
 }
 
 /// `δ'`: the failure probability each confidence event of one level gets.
 pub fn event_budget(delta: f64, measure: Measure, grid: &Grid) -> f64 {
-    delta / (measure.events_per_level() * grid.levels()) as f64
+    delta / (events_per_level(measure) * grid.levels()) as f64
 }
 
 #[cfg(test)]

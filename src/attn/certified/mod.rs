@@ -4,7 +4,8 @@
 //! attention's, per head and call, except with probability `δ`.
 //!
 //! The visible keys of a call split into the **exact set** (the attention
-//! sinks and the newest [`WINDOW`] positions, always read) and the **pool**
+//! sinks and the newest [`WINDOW`](crate::attn::WINDOW) positions, always
+//! read) and the **pool**
 //! (the rest). Every pool key gets an Exp(1) perturbation `E_i`
 //! ([`perturb`]); at threshold `τ` the sample is
 //! `S(τ) = {i : s_i − c + E_i ≥ ln τ}`, which holds each key with
@@ -30,8 +31,5 @@ pub mod perturb;
 
 pub use certificate::LevelCertificate;
 pub use head::{HeadAttention, HeadKeys, HeadRecord, Params, Stop};
-pub use levels::{Grid, Measure};
+pub use levels::Grid;
 pub use perturb::{PerturbationSeed, Perturbations};
-
-/// The newest positions every head reads exactly.
-pub const WINDOW: usize = 64;
