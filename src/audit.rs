@@ -1,7 +1,10 @@
 //! `--audit-out`: a JSON Lines record of a generation, one object a line, told apart by `type`:
 //! a `header` (model, cache, attention, context, sampling), a `token` line for every token
 //! sampled (its log-probability, the five most likely tokens, the attention's error
-//! certificate), a `reply` line after each turn of a chat, and a closing `summary`.
+//! certificate), a `reply` line after each turn of a chat, and a closing `summary`. With
+//! `--audit`, every decoding step also gets an `attention` line per layer and query head that
+//! the audit checked against exact attention ([`AttentionRow`]); `sift perplexity` writes only
+//! those, between its header and summary.
 //!
 //! A file that ends without its summary is never left under the asked-for name: the lines go to
 //! a `.partial` file beside it, which is synced and renamed onto the name only after the summary,
@@ -10,12 +13,13 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::attn::{AttentionKind, Certificate};
+use crate::attn::{AttentionKind, Certificate, HeadRecord, Measure};
 use crate::generate::{Sampled, StopReason};
 use crate::kv::KvMode;
 use crate::sample::SamplingParams;
@@ -41,8 +45,9 @@ pub struct AuditHeader {
     pub kv_cache: String,
     pub attention: AttentionKind,
     pub n_ctx: usize,
-    /// The sampling settings, seed included, that reproduce the run.
-    pub sampling: SamplingParams,
+    /// The sampling settings, seed included, that reproduce the run (none for perplexity).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampling: Option<SamplingParams>,
     /// The prompt's length; a chat gives it per turn, in its `reply` lines.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_tokens: Option<usize>,
@@ -56,7 +61,7 @@ impl AuditHeader {
         kv_cache: KvMode,
         attention: AttentionKind,
         n_ctx: usize,
-        sampling: &SamplingParams,
+        sampling: Option<&SamplingParams>,
         prompt_tokens: Option<usize>,
     ) -> Self {
         Self {
@@ -65,7 +70,7 @@ impl AuditHeader {
             kv_cache: kv_cache.to_string(),
             attention,
             n_ctx,
-            sampling: sampling.clone(),
+            sampling: sampling.cloned(),
             prompt_tokens,
             sift_version: env!("CARGO_PKG_VERSION"),
         }
@@ -152,10 +157,80 @@ pub struct AuditSummary {
     pub turns: Option<usize>,
 }
 
+/// One query head's attention in one decoding step, as the audit checked it.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttentionRow {
+    /// The chat turn (from 1), for `sift chat`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turn: Option<usize>,
+    /// The chunk of the text (from 0), for `sift perplexity`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<usize>,
+    /// The decoding step: of the generation, or of the chunk's scored half.
+    pub step: usize,
+    /// The position of the token the step ran.
+    pub position: usize,
+    pub layer: usize,
+    pub head: usize,
+    pub kind: AttentionKind,
+    pub measure: Measure,
+    /// The certificate's ε and δ (ε is `null` for a method without a bound).
+    pub epsilon: f64,
+    pub delta: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub level: Option<u32>,
+    pub fallback: bool,
+    pub visible: usize,
+    pub keys_read: usize,
+    pub bytes_read: f64,
+    pub dense_bytes: f64,
+    /// The error against exact attention, on `measure`'s scale.
+    pub error: f64,
+    /// The bound the certificate proved, where it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound: Option<f64>,
+    pub violated: bool,
+}
+
+impl AttentionRow {
+    /// The row of a record the audit checked; none for one it did not.
+    pub fn new(
+        record: &HeadRecord,
+        turn: Option<usize>,
+        chunk: Option<usize>,
+        step: usize,
+        position: usize,
+    ) -> Option<Self> {
+        let checked = record.audit?;
+        Some(Self {
+            turn,
+            chunk,
+            step,
+            position,
+            layer: record.layer,
+            head: record.head,
+            kind: record.certificate.kind,
+            measure: checked.measure,
+            epsilon: record.certificate.epsilon,
+            delta: record.certificate.delta,
+            level: record.level,
+            fallback: record.fallback,
+            visible: record.visible,
+            keys_read: record.keys_read,
+            bytes_read: record.bytes_read,
+            dense_bytes: checked.dense_bytes,
+            error: checked.error,
+            bound: record.estimate.map(|e| e.bound).filter(|b| b.is_finite()),
+            violated: checked.violated,
+        })
+    }
+}
+
 #[derive(Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum Line<'a> {
     Header(&'a AuditHeader),
+    Attention(&'a AttentionRow),
     Token(&'a AuditRecord),
     Reply(&'a ReplySummary),
     Summary {
@@ -206,6 +281,10 @@ impl AuditLog {
         self.write(&Line::Token(record))
     }
 
+    pub fn attention(&mut self, row: &AttentionRow) -> Result<(), AuditError> {
+        self.write(&Line::Attention(row))
+    }
+
     pub fn reply(&mut self, reply: &ReplySummary) -> Result<(), AuditError> {
         self.write(&Line::Reply(reply))
     }
@@ -238,6 +317,27 @@ impl Drop for AuditLog {
     fn drop(&mut self) {
         if let Some(partial) = &self.partial {
             let _ = std::fs::remove_file(partial);
+        }
+    }
+}
+
+/// Writes a token's audit line, if an audit is being written. The first failure is kept in
+/// `failure` and stops the generation: an audit with a gap is worth nothing.
+pub fn audit_token(
+    audit: Option<&mut AuditLog>,
+    failure: &mut Option<AuditError>,
+    sampled: &Sampled,
+    tokenizer: &Tokenizer,
+    turn: Option<usize>,
+) -> ControlFlow<()> {
+    let Some(audit) = audit else {
+        return ControlFlow::Continue(());
+    };
+    match audit.token(&AuditRecord::new(sampled, tokenizer, turn)) {
+        Ok(()) => ControlFlow::Continue(()),
+        Err(e) => {
+            *failure = Some(e);
+            ControlFlow::Break(())
         }
     }
 }

@@ -106,6 +106,11 @@ impl<'m> Session<'m> {
         self.n_past
     }
 
+    /// Decoding steps since the last reset.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
     pub fn batch(&self) -> usize {
         self.batch
     }
