@@ -194,7 +194,8 @@ fn every_mode_reads_back_within_its_step_and_attends_within_tolerance() {
     let len = 7 * PAGE + 13;
     let tokens = Tokens::new(1, len, &shape);
     for (mode, sink) in KvMode::ALL.into_iter().flat_map(|m| [(m, 0), (m, SINK)]) {
-        let mut layer = PagedLayer::new(Storage { mode, residual: RESIDUAL, sink }, &shape, None, 640, 16);
+        let mut layer =
+            PagedLayer::new(Storage { mode, residual: RESIDUAL, sink, ..Storage::default() }, &shape, None, 640, 16);
         for pos in 0..len {
             layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
         }
@@ -366,7 +367,8 @@ fn sketches_bound_the_cached_keys() {
     let tokens = Tokens::new(5, len, &shape);
     let q: Vec<f32> = (0..64).map(|c| (c as f32 * 0.37).sin()).collect();
     for mode in KvMode::ALL {
-        let mut layer = PagedLayer::new(Storage { mode, ..Storage::default() }, &shape, None, 1024, 16);
+        let storage = Storage { mode, key_sketch: true, ..Storage::default() };
+        let mut layer = PagedLayer::new(storage, &shape, None, 1024, 16);
         for pos in 0..len {
             layer.store(pos, &tokens.keys[pos], &tokens.values[pos]);
         }

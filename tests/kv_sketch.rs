@@ -1,7 +1,8 @@
 //! The key sketch's bounds against exact scores.
 //!
 //! Every bound must hold for every key: the scan's (4 bits, 2 in the 2-bit
-//! mode), the refined one (all kept bits) and the page's. The reference is
+//! mode), the refined one (all kept bits) and the page's, on every kernel
+//! table this CPU has. The reference is
 //! `q·k` in f64, where the products of f32 by f16 are exact and a sum of at
 //! most 256 terms errs by under 2^-44 of its terms' magnitudes: far inside
 //! the slack of 2^-36 of the same magnitudes that the sketch adds, so a
@@ -148,6 +149,7 @@ proptest! {
 /// Every shape and dimension at least once, whatever proptest draws.
 #[test]
 fn bounds_hold_on_every_shape() {
+    common::check_isa_under_test();
     for (n, shape) in SHAPES.into_iter().enumerate() {
         for dim in [1, 5, 128, 256] {
             for q_exp in [-30, -3, 0, 2, 30] {
@@ -155,6 +157,13 @@ fn bounds_hold_on_every_shape() {
             }
         }
     }
+}
+
+/// The scan runs on the process's kernel table: the same checks on every
+/// table this CPU has.
+#[test]
+fn bounds_hold_on_every_isa() {
+    common::on_every_isa("bounds_hold_on_every_shape");
 }
 
 /// Bounds that hold are easy (infinity holds); these must also be tight.

@@ -4,6 +4,7 @@
 
 mod common;
 
+use std::io::Write;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -154,6 +155,18 @@ fn a_client_that_leaves_mid_stream_frees_the_server() {
     assert_eq!(after["choices"][0]["text"], alone["choices"][0]["text"]);
     // A token costs well under a second here; the abandoned reply had thousands to go.
     assert!(waited < Duration::from_secs(20), "the next request waited {waited:?}");
+
+    // The same for a client that waits for a whole reply and gives up.
+    let body = json!({ "prompt": "Once upon a time", "max_tokens": 4000 }).to_string();
+    let mut client = std::net::TcpStream::connect(server.base.trim_start_matches("http://")).unwrap();
+    let head = format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
+    client.write_all(head.as_bytes()).and_then(|_| client.write_all(body.as_bytes())).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let started = Instant::now();
+    drop(client);
+    let (status, after) = server.post("/v1/completions", &short);
+    assert_eq!(status, 200, "{after}");
+    assert!(started.elapsed() < Duration::from_secs(20), "the next request waited {:?}", started.elapsed());
 }
 
 #[test]
@@ -255,4 +268,38 @@ fn the_chat_page_is_served_whole() {
     assert_eq!(status, 200);
     assert!(page.starts_with("<!doctype html>") && page.contains("/v1/chat/completions"), "{page}");
     assert!(!page.contains("src=\"http") && !page.contains("href=\"http"), "nothing from elsewhere");
+}
+
+/// Greedy decoding picks the most likely token, so each position's own log-probability must be
+/// the first of its alternatives, and the tokens' bytes must spell the reply.
+#[test]
+fn logprobs_describe_the_tokens_of_the_reply_whole_and_streamed() {
+    common::default_model();
+    let server = Server::start(&[]);
+    let mut request = greedy(json!([{"role": "user", "content": QUESTION}]), 12);
+    request["logprobs"] = json!(true);
+    request["top_logprobs"] = json!(3);
+    let (status, whole) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{whole}");
+    let positions = whole["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    assert_eq!(positions.len() as u64, whole["usage"]["completion_tokens"].as_u64().unwrap());
+    let mut bytes = Vec::new();
+    for position in &positions {
+        let top = position["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{position}");
+        let logprob = position["logprob"].as_f64().unwrap();
+        assert!(logprob <= 0.0 && logprob == top[0]["logprob"].as_f64().unwrap(), "{position}");
+        assert!(top.windows(2).all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()), "{position}");
+        bytes.extend(position["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8));
+    }
+    assert_eq!(String::from_utf8(bytes).unwrap(), content(&whole));
+
+    request["stream"] = json!(true);
+    let chunks = server.stream("/v1/chat/completions", &request).collect();
+    let streamed: Vec<&Value> =
+        chunks.iter().filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array()).flatten().collect();
+    assert_eq!(streamed.len(), positions.len());
+    for (streamed, whole) in streamed.iter().zip(&positions) {
+        assert_eq!((&streamed["token"], &streamed["logprob"]), (&whole["token"], &whole["logprob"]));
+    }
 }

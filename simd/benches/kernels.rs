@@ -6,6 +6,9 @@
 //! * `memory_bandwidth`: one core summing a buffer larger still, for comparison.
 //! * `dot_tile/FORMAT`: a prefill-sized product (64 tokens), in multiply-adds per
 //!   second.
+//! * `sketch_scan/CASE`: the key sketch's scan over pages of codes far bigger than
+//!   the last-level cache (as certified attention scans a long context), page by
+//!   page for a group of query heads, in bytes of codes read per second.
 //!
 //! The kernels are the process's table (`SIFT_ISA` picks another). Run with
 //! `cargo bench -p simd --bench kernels`.
@@ -14,7 +17,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
-use simd::{kernels, WeightType};
+use simd::{kernels, Bounds, SketchCodes, SketchLayout, SketchQuery, WeightType};
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -106,5 +109,46 @@ fn dot_tile(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, dot_rows, memory_bandwidth, dot_tile);
+fn sketch_scan(c: &mut Criterion) {
+    const PAGE: usize = 64;
+    let k = kernels();
+    let mut rng = Rng::new(3);
+    let mut group = c.benchmark_group("sketch_scan");
+    configure(&mut group);
+    // (name, dim, bits, query heads per KV head): Llama 3.1 8B's heads (d 128, 4
+    // per KV head) and Gemma 3 270M's (d 256, 4 per KV head).
+    let cases = [
+        ("d128 4-bit 1 head", 128, 4, 1),
+        ("d128 4-bit 4 heads", 128, 4, 4),
+        ("d128 2-bit 4 heads", 128, 2, 4),
+        ("d256 4-bit 4 heads", 256, 4, 4),
+    ];
+    for (name, dim, bits, heads) in cases {
+        let layout = SketchLayout { dim, bits };
+        let page_bytes = PAGE * layout.row_bytes();
+        let mut codes = vec![0u8; MATRIX_BYTES / page_bytes * page_bytes];
+        rng.fill_bytes(&mut codes);
+        let weights: Vec<Vec<i8>> = (0..heads)
+            .map(|_| {
+                let mut w = vec![0u8; layout.weights_len()];
+                rng.fill_bytes(&mut w);
+                w.into_iter().map(|b| b as i8).collect()
+            })
+            .collect();
+        let queries: Vec<SketchQuery> =
+            weights.iter().map(|w| SketchQuery { weights: w, beta: 1e-3, lower: -1.0, upper: 1.0 }).collect();
+        let mut out = vec![Bounds::default(); heads * PAGE];
+        group.throughput(Throughput::Bytes(codes.len() as u64));
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                for page in black_box(&codes).chunks_exact(page_bytes) {
+                    k.sketch_scan(&SketchCodes { layout, codes: page }, &queries, &mut out);
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, dot_rows, memory_bandwidth, dot_tile, sketch_scan);
 criterion_main!(benches);

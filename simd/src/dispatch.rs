@@ -11,6 +11,7 @@ use std::sync::OnceLock;
 use half::f16;
 
 use crate::formats::{self, float32};
+use crate::sketch::{Bounds, SketchCodes, SketchQuery};
 use crate::{ActivationType, WeightType};
 
 /// Dot of one weight row with one activation row. The row lengths have been checked
@@ -44,6 +45,11 @@ pub(crate) type LevelsF16Fn = unsafe fn(rows: &CodeRows, out: &mut [f16]);
 pub(crate) type ScoresCodedFn = unsafe fn(queries: &[f32], keys: &CodeRows, out: &mut [f32], stride: usize);
 /// [`AddWeightedFn`] over the levels of rows of affine codes.
 pub(crate) type AddWeightedCodedFn = unsafe fn(weights: &[f32], stride: usize, values: &CodeRows, out: &mut [f32]);
+
+/// Integer dots of a query group with rows of sketch codes (see [`Kernels::sketch_dots`]).
+pub(crate) type SketchDotsFn = unsafe fn(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]);
+/// Score bounds of a query group over rows of sketch codes (see [`Kernels::sketch_scan`]).
+pub(crate) type SketchScanFn = unsafe fn(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [Bounds]);
 
 /// Rows of affine codes, as the quantized KV cache keeps them: element `j`
 /// of a row has the `j`-th code of `bits` bits in the row's `codes` (lowest
@@ -102,6 +108,13 @@ pub(crate) struct AttentionKernels {
     pub(crate) levels_f16: LevelsF16Fn,
     pub(crate) scores_coded: ScoresCodedFn,
     pub(crate) add_weighted_coded: AddWeightedCodedFn,
+}
+
+/// The key sketch's scan (see [`crate::sketch`]).
+#[derive(Clone, Copy)]
+pub(crate) struct SketchKernels {
+    pub(crate) dots: SketchDotsFn,
+    pub(crate) bounds: SketchScanFn,
 }
 
 /// The kernels of one weight format.
@@ -235,6 +248,7 @@ pub struct Kernels {
     weights: [WeightKernels; WeightType::ALL.len()],
     quantize: [QuantFn; ActivationType::ALL.len()],
     attention: AttentionKernels,
+    pub(crate) sketch: SketchKernels,
     /// Per weight type, the tile kernel of [`Kernels::dot_tile`]; `None` loops over
     /// `dot_rows`.
     tiles: [Option<DotTileFn>; WeightType::ALL.len()],
@@ -326,6 +340,7 @@ const SCALAR: Kernels = Kernels {
         scores_coded: crate::attention::portable::scores_coded,
         add_weighted_coded: crate::attention::portable::add_weighted_coded,
     },
+    sketch: SketchKernels { dots: crate::sketch::portable::dots, bounds: crate::sketch::portable::bounds },
     tiles: [None; WeightType::ALL.len()],
 };
 
@@ -369,6 +384,11 @@ impl Kernels {
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn set_tile(&mut self, w: WeightType, f: DotTileFn) {
         self.tiles[w.index()] = Some(f);
+    }
+
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(crate) fn set_sketch(&mut self, entries: SketchKernels) {
+        self.sketch = entries;
     }
 
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]

@@ -52,10 +52,12 @@
 mod attention;
 mod dispatch;
 pub mod formats;
+mod sketch;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
 pub use dispatch::{kernels, select_isa, CodeRows, Isa, Kernels, ParseIsaError, SelectIsaError};
+pub use sketch::{Bounds, SketchCodes, SketchLayout, SketchQuery};
 
 /// Element type of a weight tensor, named and numbered as GGML does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -13,7 +13,7 @@ pub mod page;
 pub mod quant;
 pub mod sketch;
 
-pub use page::{KvMode, PagedLayer, Rows, Storage};
+pub use page::{KeyCover, KvMode, PagedLayer, Rows, Storage};
 pub use sketch::{Bounds, KeySketch, PageKeys, ScanQuery, PAGE};
 
 pub struct KvCache {
@@ -62,11 +62,11 @@ impl KvCache {
 }
 
 impl CacheShape {
-    /// What each further token of context costs in `mode`, all layers
-    /// together: a page of the global layers over its tokens (sliding layers
-    /// do not grow).
-    pub fn bytes_per_token(&self, mode: KvMode) -> f64 {
+    /// What each further token of context costs in `storage` (a mode
+    /// alone: its default storage), all layers together: a page of the
+    /// global layers over its tokens (sliding layers do not grow).
+    pub fn bytes_per_token(&self, storage: impl Into<Storage>) -> f64 {
         let global = self.windows.iter().filter(|w| w.is_none()).count();
-        (global * self.n_kv_head) as f64 * PagedLayer::page_bytes(mode, self) as f64 / PAGE as f64
+        (global * self.n_kv_head) as f64 * PagedLayer::page_bytes(storage.into(), self) as f64 / PAGE as f64
     }
 }

@@ -2,7 +2,8 @@
 //! cache modes.
 //!
 //! Per KV head, the newest pages are *exact*: f16 rows, as appended. In the
-//! f16 mode every page stays exact and each full one also gets a
+//! f16 mode every page stays exact and, for an attention policy that scans
+//! sketches ([`Storage::key_sketch`]), each full one also gets a
 //! [`KeySketch`] beside it. In the quantized modes only the newest
 //! `residual / PAGE` pages stay exact (so between `residual - PAGE + 1` and
 //! `residual` of the newest tokens, as KIVI's residual); when a new page
@@ -23,6 +24,14 @@
 //! coded pages: it would record per page how far its tokens were renumbered
 //! and rotate the *query* back by that much when scoring the page's keys.
 //! Sketch bounds hold for whatever query they are given, so they survive.
+//!
+//! # What a sparse policy reads
+//!
+//! [`PagedLayer::key_cover`] splits positions into keys a sketch bounds and
+//! keys to read exactly (the sinks, whose rows in page 0's sketch are
+//! placeholders, and the pages that have no sketch yet), and
+//! [`PagedLayer::value_norm`] bounds the norm of every value a page returns,
+//! kept as the values are stored.
 
 use std::fmt;
 use std::ops::Range;
@@ -31,7 +40,7 @@ use std::str::FromStr;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use super::quant::{Bits, ValueRows};
+use super::quant::{norm_bound, Bits, ValueRows};
 use super::sketch::{KeySketch, PageKeys, PAGE};
 use super::CacheShape;
 
@@ -105,11 +114,31 @@ pub struct Storage {
     /// The first tokens the quantized modes keep exact: fewer than
     /// [`PAGE`].
     pub sink: usize,
+    /// Whether the f16 mode sketches every full page's keys, for an
+    /// attention policy that scans them (the sketch is a quarter of the
+    /// page's bytes again). The quantized modes' coded keys are their own
+    /// sketch, kept in any case.
+    pub key_sketch: bool,
 }
 
 impl Default for Storage {
     fn default() -> Self {
-        Self { mode: KvMode::F16, residual: RESIDUAL, sink: SINK }
+        Self { mode: KvMode::F16, residual: RESIDUAL, sink: SINK, key_sketch: false }
+    }
+}
+
+/// A mode's storage with the other settings at their defaults.
+impl From<KvMode> for Storage {
+    fn from(mode: KvMode) -> Self {
+        Self { mode, ..Self::default() }
+    }
+}
+
+impl Storage {
+    /// Whether the cache keeps a sketch of its keys: the quantized modes
+    /// always (their codes), the f16 mode when asked.
+    pub fn sketches(&self) -> bool {
+        self.mode != KvMode::F16 || self.key_sketch
     }
 }
 
@@ -130,11 +159,16 @@ pub struct PagedLayer {
     sink: usize,
     sink_k: Vec<f16>,
     sink_v: Vec<f16>,
-    /// `[head][slot]`: in the f16 mode one per exact slot, else one per
-    /// coded slot (there, the keys themselves).
+    /// `[head][slot]`: in the f16 mode one per exact slot (none without
+    /// [`Storage::key_sketch`]), else one per coded slot (there, the keys
+    /// themselves).
     sketches: Vec<KeySketch>,
     /// `[head][coded slot]`; empty in the f16 mode.
     values: Vec<ValueRows>,
+    /// Bounds on the norms of the values of each page, as the cache returns
+    /// them: `[head][exact slot]` and `[head][coded slot]`.
+    exact_norms: Vec<f32>,
+    coded_norms: Vec<f32>,
     /// Pages before this one have left the exact slots; the last
     /// `coded_slots` of them are coded, in slot `page % coded_slots`. The
     /// exact ones, up to the one holding position `len - 1`, are in slot
@@ -148,7 +182,7 @@ impl PagedLayer {
     /// A layer of `shape` with an optional sliding `window`, for contexts of
     /// `n_ctx` tokens appended at most `max_batch` at a time.
     pub fn new(storage: Storage, shape: &CacheShape, window: Option<usize>, n_ctx: usize, max_batch: usize) -> Self {
-        let Storage { mode, residual, sink } = storage;
+        let Storage { mode, residual, sink, .. } = storage;
         assert!(residual >= PAGE && residual.is_multiple_of(PAGE), "the residual window is whole pages");
         assert!(sink < PAGE, "the sink lies within the first page");
         let all = n_ctx.div_ceil(PAGE);
@@ -157,7 +191,11 @@ impl PagedLayer {
         let pages = window.map_or(all, |w| all.min((w + max_batch).div_ceil(PAGE) + 1));
         let exact_slots = if mode == KvMode::F16 { pages } else { (residual / PAGE).min(pages) };
         let coded_slots = pages - exact_slots;
-        let sketch_slots = if mode == KvMode::F16 { exact_slots } else { coded_slots };
+        let sketch_slots = match mode {
+            KvMode::F16 if storage.key_sketch => exact_slots,
+            KvMode::F16 => 0,
+            _ => coded_slots,
+        };
         let n = shape.n_kv_head;
         let sketches = (0..n * sketch_slots).map(|_| KeySketch::new(shape.head_dim_k, mode.page_keys())).collect();
         let sink = if coded_slots == 0 { 0 } else { sink };
@@ -180,6 +218,8 @@ impl PagedLayer {
             sink_v: vec![f16::ZERO; n * sink * shape.head_dim_v],
             sketches,
             values,
+            exact_norms: vec![0.0; n * exact_slots],
+            coded_norms: vec![0.0; n * coded_slots],
             first_exact: 0,
             len: 0,
         }
@@ -207,10 +247,13 @@ impl PagedLayer {
         for h in 0..self.n_kv_head {
             let row = (h * self.exact_slots + slot) * PAGE + t;
             self.exact_k[row * dk..][..dk].convert_from_f32_slice(&keys[h * dk..][..dk]);
-            self.exact_v[row * dv..][..dv].convert_from_f32_slice(&values[h * dv..][..dv]);
+            let value = &mut self.exact_v[row * dv..][..dv];
+            value.convert_from_f32_slice(&values[h * dv..][..dv]);
+            let norm = &mut self.exact_norms[h * self.exact_slots + slot];
+            *norm = if t == 0 { 0.0 } else { *norm }.max(norm_bound(value.iter().map(|x| x.to_f64())));
         }
         self.len = pos + 1;
-        if self.mode == KvMode::F16 && t == PAGE - 1 {
+        if self.mode == KvMode::F16 && !self.sketches.is_empty() && t == PAGE - 1 {
             for h in 0..self.n_kv_head {
                 let keys = page_rows(&self.exact_k, self.exact_slots, h, slot, dk);
                 self.sketches[h * self.exact_slots + slot].fill(keys);
@@ -302,10 +345,13 @@ impl PagedLayer {
     }
 
     /// The sketch of `head`'s keys in `page`, once it has one: in the f16
-    /// mode every full page, in the others every coded page.
+    /// mode every full page (given [`Storage::key_sketch`]), in the others
+    /// every coded page. In coded page 0, the rows of the first
+    /// [`Self::sink`] keys hold placeholders: [`Self::key_cover`] says which
+    /// rows a sketch bounds.
     pub fn sketch(&self, head: usize, page: usize) -> Option<&KeySketch> {
         if self.mode == KvMode::F16 {
-            let full = page >= self.first_exact && (page + 1) * PAGE <= self.len;
+            let full = !self.sketches.is_empty() && page >= self.first_exact && (page + 1) * PAGE <= self.len;
             full.then(|| &self.sketches[head * self.exact_slots + page % self.exact_slots])
         } else {
             self.is_coded(page).then(|| &self.sketches[head * self.coded_slots + page % self.coded_slots])
@@ -321,10 +367,64 @@ impl PagedLayer {
             + self.values.iter().map(ValueRows::bytes).sum::<usize>()
     }
 
+    /// `head`'s keys at `positions`, in order, as a sparse policy reads
+    /// them: runs of keys whose scores a page's sketch bounds (scan them,
+    /// then read the candidates), and runs it must read exactly through
+    /// [`Self::key_rows`] — the sinks of a coded page 0 (their rows in its
+    /// sketch are placeholders), and the pages without a sketch (the
+    /// newest, and in the f16 mode every page unless the storage keeps
+    /// sketches). Exact runs never lie side by side.
+    pub fn key_cover(&self, head: usize, positions: Range<usize>) -> impl Iterator<Item = KeyCover<'_>> {
+        assert!(positions.end <= self.len, "position {} has not been stored", positions.end - 1);
+        let mut next = positions.start;
+        std::iter::from_fn(move || {
+            let start = next;
+            if start >= positions.end {
+                return None;
+            }
+            let page = start / PAGE;
+            if let Some(sketch) = self.bounding_sketch(head, start) {
+                next = positions.end.min((page + 1) * PAGE);
+                return Some(KeyCover::Sketched { page, sketch, rows: start - page * PAGE..next - page * PAGE });
+            }
+            while next < positions.end && self.bounding_sketch(head, next).is_none() {
+                // The rest of the page is unbounded too, but for the sinks.
+                next = if next < self.sink && self.is_coded(0) { self.sink } else { (next / PAGE + 1) * PAGE };
+                next = next.min(positions.end);
+            }
+            Some(KeyCover::Exact(start..next))
+        })
+    }
+
+    /// The sketch whose bounds hold for the key of `head` at `pos`, if any.
+    fn bounding_sketch(&self, head: usize, pos: usize) -> Option<&KeySketch> {
+        let placeholder = pos < self.sink && self.is_coded(0);
+        self.sketch(head, pos / PAGE).filter(|_| !placeholder)
+    }
+
+    /// At least the norm of every value of `head` that `page` holds, as
+    /// [`Self::value`] and [`Self::value_rows`] return it (coded values in
+    /// f32 and rounded to f16, the sinks exact): kept as values are stored,
+    /// for bounds such as certified attention's `‖v‖ ≤ V_max`. A page part
+    /// stored counts the values stored so far.
+    ///
+    /// # Panics
+    /// If `page` holds no stored position or has left the cache.
+    pub fn value_norm(&self, head: usize, page: usize) -> f32 {
+        assert!(page * PAGE < self.len, "page {page} holds no stored position");
+        if page >= self.first_exact {
+            self.exact_norms[head * self.exact_slots + page % self.exact_slots]
+        } else {
+            self.coded_norms[head * self.coded_slots + self.coded_slot(page)]
+        }
+    }
+
     /// The bytes of one full page of one head once it has left the residual
-    /// window: exact rows and their sketch in the f16 mode, codes otherwise.
-    pub fn page_bytes(mode: KvMode, shape: &CacheShape) -> usize {
-        let sketch = KeySketch::new(shape.head_dim_k, mode.page_keys()).bytes();
+    /// window: exact rows (and their sketch, if kept) in the f16 mode, codes
+    /// otherwise.
+    pub fn page_bytes(storage: Storage, shape: &CacheShape) -> usize {
+        let mode = storage.mode;
+        let sketch = if storage.sketches() { KeySketch::new(shape.head_dim_k, mode.page_keys()).bytes() } else { 0 };
         match mode.bits() {
             None => sketch + PAGE * (shape.head_dim_k + shape.head_dim_v) * std::mem::size_of::<f16>(),
             Some(bits) => sketch + ValueRows::new(PAGE, shape.head_dim_v, bits).bytes(),
@@ -353,6 +453,14 @@ impl PagedLayer {
             assert!(pos / PAGE >= self.first_exact, "position {pos} is quantized and cannot be rewritten");
         }
         self.len = pos;
+        // The norms of the page left part stored count only what it keeps.
+        let (page, t) = (pos / PAGE, pos % PAGE);
+        let (slot, dv) = (page % self.exact_slots, self.head_dim_v);
+        for h in 0..self.n_kv_head {
+            let kept = &page_rows(&self.exact_v, self.exact_slots, h, slot, dv)[..t * dv];
+            self.exact_norms[h * self.exact_slots + slot] =
+                kept.chunks_exact(dv).map(|v| norm_bound(v.iter().map(|x| x.to_f64()))).fold(0.0, f32::max);
+        }
     }
 
     /// Makes room for `page` among the exact pages, coding or dropping the
@@ -394,6 +502,9 @@ impl PagedLayer {
             for (t, row) in page_v.chunks_exact(dv).enumerate() {
                 self.values[i].store(t, row);
             }
+            let sinks = page_v[..sink * dv].chunks_exact(dv).map(|v| norm_bound(v.iter().map(|x| x.to_f64())));
+            let coded = (sink..PAGE).map(|t| self.values[i].norm_bound(t));
+            self.coded_norms[i] = sinks.chain(coded).fold(0.0, f32::max);
         }
     }
 
@@ -405,6 +516,16 @@ impl PagedLayer {
         assert!(self.is_coded(page), "page {page} has left the cache");
         page % self.coded_slots
     }
+}
+
+/// A run of one head's keys, as [`PagedLayer::key_cover`] gives them.
+pub enum KeyCover<'a> {
+    /// The keys at positions `page · PAGE + rows`, whose scores the sketch's
+    /// bounds (its scan and refinement) hold for; its other rows are to be
+    /// ignored.
+    Sketched { page: usize, sketch: &'a KeySketch, rows: Range<usize> },
+    /// Positions whose keys no sketch bounds: read them exactly.
+    Exact(Range<usize>),
 }
 
 /// A stretch of one head's keys or values.

@@ -207,4 +207,32 @@ impl ValueRows {
     pub fn bytes(&self) -> usize {
         std::mem::size_of_val(self.groups.as_slice()) + self.codes.len()
     }
+
+    /// At least the norm of row `row` as [`Self::dequantize`] reads it, and
+    /// as [`Self::dequantize_rows`] does (rounded to f16).
+    pub fn norm_bound(&self, row: usize) -> f32 {
+        let mut levels = vec![0.0; self.dim];
+        self.dequantize(row, &mut levels);
+        let f32_norm = norm_bound(levels.iter().map(|&x| f64::from(x)));
+        f32_norm.max(norm_bound(levels.iter().map(|&x| f16::from_f32(x).to_f64())))
+    }
+}
+
+/// At least the Euclidean norm of `xs`, numbers of f32 (so their squares are
+/// exact in f64): the sum of at most 2^20 squares and the square root err by
+/// well under 2^-30 relative, which the result is raised by, then rounded
+/// up to f32.
+pub fn norm_bound(xs: impl Iterator<Item = f64>) -> f32 {
+    let norm = xs.map(|x| x * x).sum::<f64>().sqrt() * (1.0 + 2f64.powi(-30));
+    f32_up(norm)
+}
+
+/// The least f32 at or above `x`, a non-negative number.
+pub(super) fn f32_up(x: f64) -> f32 {
+    let y = x as f32;
+    if (y as f64) < x {
+        y.next_up()
+    } else {
+        y
+    }
 }

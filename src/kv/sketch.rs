@@ -40,13 +40,23 @@
 //!
 //! Should the magnitudes approach f32's range (2^120), the bounds become
 //! infinite, which is still true.
+//!
+//! # The scan
+//!
+//! The integer dots and the per-key multiply-adds are `simd`'s sketch scan
+//! ([`simd::Kernels::sketch_scan`]: `vpdpbusd` on AVX-512 VNNI,
+//! `vpmaddubsw`/`vpmaddwd` on AVX2), which gives the same bits on every
+//! table. [`ScanQuery`] keeps its weights in the scan's order (planes of the
+//! codes' fields, [`simd::SketchLayout::weight_slot`]), and
+//! [`KeySketch::scan_heads`] scans a page for the query heads of one KV head
+//! at once, reading each key's codes once for all of them.
 
 use half::f16;
-use simd::CodeRows;
+use simd::{CodeRows, SketchCodes, SketchLayout, SketchQuery};
 
 use std::ops::Range;
 
-use super::quant::{pack, packed_len, unpack, Affine, Bits};
+use super::quant::{f32_up, pack, packed_len, unpack, Affine, Bits};
 
 /// Tokens per page.
 pub const PAGE: usize = 64;
@@ -98,12 +108,7 @@ impl PageKeys {
     }
 }
 
-/// Lower and upper bounds on a score.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Bounds {
-    pub lower: f32,
-    pub upper: f32,
-}
+pub use simd::Bounds;
 
 /// One page of keys, sketched.
 pub struct KeySketch {
@@ -211,11 +216,36 @@ impl KeySketch {
         }
     }
 
-    /// Bounds on `q·k_i` for every key of the page from the scanned codes.
+    /// Bounds on `q·k_i` for every key of the page from the scanned codes,
+    /// into `out[..PAGE]`. `query` must be `q` prepared for this page.
     pub fn scan(&self, query: &ScanQuery, out: &mut [Bounds]) {
-        for (i, out) in out[..PAGE].iter_mut().enumerate() {
-            *out = query.bounds(self.integer_dot(query, i));
+        self.scan_heads(std::slice::from_ref(query), &mut out[..PAGE]);
+    }
+
+    /// [`Self::scan`] for several queries (the query heads of one KV head),
+    /// each prepared for this page: `out[h·PAGE + i]` bounds query `h`'s
+    /// score of key `i`. Each key's codes are read once for all of them.
+    pub fn scan_heads(&self, queries: &[ScanQuery], out: &mut [Bounds]) {
+        const GROUP: usize = 8;
+        assert_eq!(out.len(), queries.len() * PAGE, "a page of bounds per query");
+        let codes = self.scan_codes(0..PAGE);
+        let mut views = [SketchQuery { weights: &[], beta: 0.0, lower: 0.0, upper: 0.0 }; GROUP];
+        for (queries, out) in queries.chunks(GROUP).zip(out.chunks_mut(GROUP * PAGE)) {
+            for (view, query) in views.iter_mut().zip(queries) {
+                *view = query.view();
+            }
+            simd::kernels().sketch_scan(&codes, &views[..queries.len()], out);
         }
+    }
+
+    /// The codes the scan reads of keys `rows`.
+    fn scan_codes(&self, rows: Range<usize>) -> SketchCodes<'_> {
+        let layout = self.scan_layout();
+        SketchCodes { layout, codes: &self.coarse[rows.start * layout.row_bytes()..rows.end * layout.row_bytes()] }
+    }
+
+    fn scan_layout(&self) -> SketchLayout {
+        SketchLayout { dim: self.dim, bits: self.keys.scanned().get() as u32 }
     }
 
     /// Bounds on `q·k_i` from all the kept bits (8, unless the keys are
@@ -250,9 +280,9 @@ impl KeySketch {
     }
 
     fn integer_dot(&self, query: &ScanQuery, i: usize) -> i32 {
-        let scanned = self.keys.scanned();
-        let row = &self.coarse[i * packed_len(self.dim, scanned)..][..packed_len(self.dim, scanned)];
-        query.weights.iter().enumerate().map(|(c, &w)| i32::from(w) * i32::from(unpack(row, c, scanned))).sum()
+        let mut dot = [0];
+        simd::kernels().sketch_dots(&self.scan_codes(i..i + 1), &[query.view()], &mut dot);
+        dot[0]
     }
 }
 
@@ -261,8 +291,9 @@ fn channel(qc: f32, affine: &Affine) -> (f64, f64) {
     (affine.min.to_f64(), qc as f64 * affine.step.to_f64())
 }
 
-/// A query prepared for scanning one page: weights in i8 and the per-page
-/// constants of the module's bound. Reused from page to page.
+/// A query prepared for scanning one page: weights in i8 (in the scan's
+/// order) and the per-page constants of the module's bound. Reused from page
+/// to page.
 #[derive(Default)]
 pub struct ScanQuery {
     weights: Vec<i8>,
@@ -282,13 +313,15 @@ impl ScanQuery {
         // its rounding is measured in δ below.
         let alpha = (a_max / 127.0) as f32;
 
+        let layout = sketch.scan_layout();
         self.weights.clear();
+        self.weights.resize(layout.weights_len(), 0);
         let mut sum = Slack::default();
         let mut i_max = 0.0;
-        for (&qc, affine) in q.iter().zip(&sketch.channels) {
+        for (c, (&qc, affine)) in q.iter().zip(&sketch.channels).enumerate() {
             let (min, a) = channel(qc, affine);
             let weight = if alpha > 0.0 { (a / alpha as f64).round().clamp(-127.0, 127.0) } else { 0.0 };
-            self.weights.push(weight as i8);
+            self.weights[layout.weight_slot(c)] = weight as i8;
             i_max += weight.abs() * top;
             let delta = a - alpha as f64 * weight;
             sum.add(qc as f64 * min + a * bits.offset(0));
@@ -304,11 +337,14 @@ impl ScanQuery {
         }
     }
 
-    /// The bounds for a key whose integer dot product is `dot`; the same
-    /// f32 operations a vector scan would do.
+    /// The bounds for a key whose integer dot product is `dot`.
     fn bounds(&self, dot: i32) -> Bounds {
-        let x = self.beta * dot as f32;
-        Bounds { lower: x + self.lower, upper: x + self.upper }
+        self.view().bounds(dot)
+    }
+
+    /// The query as the SIMD scan takes it.
+    fn view(&self) -> SketchQuery<'_> {
+        SketchQuery { weights: &self.weights, beta: self.beta, lower: self.lower, upper: self.upper }
     }
 }
 
@@ -366,15 +402,6 @@ impl Slack {
         let (lower, upper) = (self.centre - self.below - dot - set_up, self.centre + self.above + dot + set_up);
         let per_key = |c: f64| scan.map_or(0.0, |m| 2f64.powi(-21) * (m + c.abs()) + 2f64.powi(-126));
         Bounds { lower: f32_down(lower - per_key(lower)), upper: f32_up(upper + per_key(upper)) }
-    }
-}
-
-fn f32_up(x: f64) -> f32 {
-    let y = x as f32;
-    if (y as f64) < x {
-        y.next_up()
-    } else {
-        y
     }
 }
 

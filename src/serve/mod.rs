@@ -64,6 +64,6 @@ pub fn serve(
         .spawn(move || routes::run(listener, queue, config, n_ctx))
         .map_err(ServeError::Runtime)?;
     // Until the HTTP side lets go of the queue: after shutdown, or should it fail.
-    worker::Worker { conversation, template }.run(jobs);
+    worker::Worker::new(conversation, template).run(jobs);
     http.join().map_err(|_| ServeError::Panicked)?
 }

@@ -27,7 +27,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::api::{
     finish_reason, AssistantMessage, ChatChoice, ChatLogprobs, ChatRequest, ChunkChoice, Completion, CompletionRequest,
-    Delta, ModelCard, ModelList, Options, SiftExtension, TextChoice, TextLogprobs, TokenLogprob, Usage,
+    Delta, ModelCard, ModelList, Options, Params, SiftExtension, TextChoice, TextLogprobs, TokenLogprob, Usage,
 };
 use super::error::ApiError;
 use super::worker::{Event, Finished, Prompt, Queue};
@@ -132,28 +132,13 @@ fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, 
     serde_json::from_slice(&body).map_err(|e| ApiError::invalid(format!("the body is not a valid request: {e}")))
 }
 
-/// What a response needs besides the worker's events.
-struct Reply {
-    id: String,
-    created: u64,
-    model: String,
-    include_usage: bool,
-}
-
 async fn chat_completions(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
     let handle = async {
         let request: ChatRequest = parse(body)?;
         let messages = request.messages.iter().map(|m| m.to_message()).collect::<Result<Vec<_>, _>>()?;
         let top = request.logprobs.then(|| request.top_logprobs.unwrap_or(0));
         let params = request.options.params(&server.config.defaults, top)?;
-        let reply = server.reply("chatcmpl", &request.options);
-        let mut events = server.queue.submit(Prompt::Chat(messages), params)?;
-        let usage = started(&mut events).await?;
-        Ok(if request.options.stream {
-            stream(ChatStream { reply, usage, logprobs: request.logprobs }, events)
-        } else {
-            Json(chat_whole(reply, usage, request.logprobs, events).await?).into_response()
-        })
+        complete::<Chat>(&server, Prompt::Chat(messages), params, &request.options).await
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
@@ -163,28 +148,35 @@ async fn completions(State(server): State<Arc<Server>>, body: Result<Bytes, Byte
         let request: CompletionRequest = parse(body)?;
         let prompt = request.prompt.into_text()?;
         let params = request.options.params(&server.config.defaults, request.logprobs)?;
-        let reply = server.reply("cmpl", &request.options);
-        let mut events = server.queue.submit(Prompt::Text(prompt), params)?;
-        let usage = started(&mut events).await?;
-        let logprobs = request.logprobs.is_some();
-        Ok(if request.options.stream {
-            stream(TextStream { reply, usage, logprobs }, events)
-        } else {
-            Json(text_whole(reply, usage, logprobs, events).await?).into_response()
-        })
+        complete::<Text>(&server, Prompt::Text(prompt), params, &request.options).await
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
-impl Server {
-    fn reply(&self, prefix: &str, options: &Options) -> Reply {
-        Reply {
-            id: self.new_id(prefix),
-            created: unix_now(),
-            model: self.config.model_id.clone(),
-            include_usage: options.include_usage(),
-        }
+/// Queues the job, waits for the model to take it, and answers whole or as a stream.
+async fn complete<K: Kind>(
+    server: &Server,
+    prompt: Prompt,
+    params: Params,
+    options: &Options,
+) -> Result<Response, ApiError> {
+    let logprobs = params.top_logprobs.is_some();
+    let mut events = server.queue.submit(prompt, params)?;
+    let usage = started(&mut events).await?;
+    let answer = Answer {
+        id: server.new_id(K::ID_PREFIX),
+        created: unix_now(),
+        model: server.config.model_id.clone(),
+        usage,
+        logprobs,
+        include_usage: options.include_usage(),
+    };
+    if options.stream {
+        return Ok(stream::<K>(answer, events));
     }
+    let gathered = gather(events).await?;
+    let usage = completed(answer.usage, &gathered.finished);
+    Ok(Json(answer.completion(K::OBJECT, vec![K::whole(&answer, gathered)], Some(usage))).into_response())
 }
 
 /// Waits for the worker to take the job: the usage so far (prompt and cached tokens), or why the
@@ -231,107 +223,76 @@ fn completed(usage: Usage, finished: &Finished) -> Usage {
     Usage::new(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, finished.completion_tokens)
 }
 
-async fn chat_whole(
-    reply: Reply,
+/// A request taken by the model: what its response says besides the text.
+struct Answer {
+    id: String,
+    created: u64,
+    model: String,
+    /// The prompt's tokens, and those of them the cache held.
     usage: Usage,
     logprobs: bool,
-    events: UnboundedReceiver<Event>,
-) -> Result<Completion<ChatChoice>, ApiError> {
-    let Gathered { text, tokens, finished } = gather(events).await?;
-    let choice = ChatChoice {
-        index: 0,
-        message: AssistantMessage { role: "assistant", content: text },
-        logprobs: logprobs.then_some(ChatLogprobs { content: tokens }),
-        finish_reason: finish_reason(finished.stop),
-        x_sift: extension(&finished),
-    };
-    Ok(reply.completion("chat.completion", choice, Some(completed(usage, &finished))))
+    /// Whether a stream ends with a chunk of usage.
+    include_usage: bool,
 }
 
-async fn text_whole(
-    reply: Reply,
-    usage: Usage,
-    logprobs: bool,
-    events: UnboundedReceiver<Event>,
-) -> Result<Completion<TextChoice>, ApiError> {
-    let Gathered { text, tokens, finished } = gather(events).await?;
-    let choice = TextChoice {
-        index: 0,
-        text,
-        logprobs: logprobs.then(|| {
-            tokens.iter().fold(TextLogprobs::default(), |mut all, token| {
-                all.push(token);
-                all
-            })
-        }),
-        finish_reason: Some(finish_reason(finished.stop)),
-        x_sift: Some(extension(&finished)),
-    };
-    Ok(reply.completion("text_completion", choice, Some(completed(usage, &finished))))
+impl Answer {
+    fn completion<C>(&self, object: &'static str, choices: Vec<C>, usage: Option<Usage>) -> Completion<C> {
+        Completion { id: self.id.clone(), object, created: self.created, model: self.model.clone(), choices, usage }
+    }
 }
 
-impl Reply {
-    fn completion<C>(&self, object: &'static str, choice: C, usage: Option<Usage>) -> Completion<C> {
-        Completion {
-            id: self.id.clone(),
-            object,
-            created: self.created,
-            model: self.model.clone(),
-            choices: vec![choice],
-            usage,
+/// The two kinds of completion, chat and text: how each writes its choice, whole or in chunks.
+trait Kind {
+    type Whole: Serialize;
+    type Chunk: Serialize + Send;
+    const ID_PREFIX: &'static str;
+    /// The `object` of a whole response, and of a stream's chunks.
+    const OBJECT: &'static str;
+    const CHUNK_OBJECT: &'static str;
+    fn whole(answer: &Answer, gathered: Gathered) -> Self::Whole;
+    /// The chunk that opens a stream, if the kind has one.
+    fn opening() -> Option<Self::Chunk>;
+    /// A piece of text, with the log-probabilities of the tokens it completes.
+    fn text(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> Self::Chunk;
+    fn last(finished: &Finished) -> Self::Chunk;
+}
+
+/// `/v1/chat/completions`.
+struct Chat;
+
+impl Kind for Chat {
+    type Whole = ChatChoice;
+    type Chunk = ChunkChoice;
+    const ID_PREFIX: &'static str = "chatcmpl";
+    const OBJECT: &'static str = "chat.completion";
+    const CHUNK_OBJECT: &'static str = "chat.completion.chunk";
+
+    fn whole(answer: &Answer, Gathered { text, tokens, finished }: Gathered) -> ChatChoice {
+        ChatChoice {
+            index: 0,
+            message: AssistantMessage { role: "assistant", content: text },
+            logprobs: answer.logprobs.then_some(ChatLogprobs { content: tokens }),
+            finish_reason: finish_reason(finished.stop),
+            x_sift: extension(&finished),
         }
     }
-}
 
-/// How one kind of response is streamed: its chunks, from the worker's events.
-trait Chunks: Send + 'static {
-    type Choice: Serialize + Send;
-    /// The chunks' `object`.
-    const OBJECT: &'static str;
-    fn reply(&self) -> &Reply;
-    fn usage(&self) -> Usage;
-    /// The chunk that opens the stream, if the kind has one.
-    fn opening(&self) -> Option<Self::Choice>;
-    /// A piece of text, and the log-probabilities of the tokens it completes.
-    fn text(&self, text: String, tokens: Vec<TokenLogprob>) -> Self::Choice;
-    fn last(&self, finished: &Finished) -> Self::Choice;
-}
-
-struct ChatStream {
-    reply: Reply,
-    usage: Usage,
-    logprobs: bool,
-}
-
-impl Chunks for ChatStream {
-    type Choice = ChunkChoice;
-    const OBJECT: &'static str = "chat.completion.chunk";
-
-    fn reply(&self) -> &Reply {
-        &self.reply
-    }
-
-    fn usage(&self) -> Usage {
-        self.usage
-    }
-
-    fn opening(&self) -> Option<ChunkChoice> {
+    fn opening() -> Option<ChunkChoice> {
         let delta = Delta { role: Some("assistant"), content: Some(String::new()) };
         Some(ChunkChoice { index: 0, delta, logprobs: None, finish_reason: None, x_sift: None })
     }
 
-    fn text(&self, text: String, tokens: Vec<TokenLogprob>) -> ChunkChoice {
-        let logprobs = self.logprobs.then_some(ChatLogprobs { content: tokens });
+    fn text(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> ChunkChoice {
         ChunkChoice {
             index: 0,
             delta: Delta { role: None, content: Some(text) },
-            logprobs,
+            logprobs: answer.logprobs.then_some(ChatLogprobs { content: tokens }),
             finish_reason: None,
             x_sift: None,
         }
     }
 
-    fn last(&self, finished: &Finished) -> ChunkChoice {
+    fn last(finished: &Finished) -> ChunkChoice {
         ChunkChoice {
             index: 0,
             delta: Delta::default(),
@@ -342,30 +303,30 @@ impl Chunks for ChatStream {
     }
 }
 
-struct TextStream {
-    reply: Reply,
-    usage: Usage,
-    logprobs: bool,
-}
+/// `/v1/completions`: a whole response and its chunks have the same shape.
+struct Text;
 
-impl Chunks for TextStream {
-    type Choice = TextChoice;
+impl Kind for Text {
+    type Whole = TextChoice;
+    type Chunk = TextChoice;
+    const ID_PREFIX: &'static str = "cmpl";
     const OBJECT: &'static str = "text_completion";
+    const CHUNK_OBJECT: &'static str = "text_completion";
 
-    fn reply(&self) -> &Reply {
-        &self.reply
+    fn whole(answer: &Answer, Gathered { text, tokens, finished }: Gathered) -> TextChoice {
+        TextChoice {
+            finish_reason: Some(finish_reason(finished.stop)),
+            x_sift: Some(extension(&finished)),
+            ..Self::text(answer, text, tokens)
+        }
     }
 
-    fn usage(&self) -> Usage {
-        self.usage
-    }
-
-    fn opening(&self) -> Option<TextChoice> {
+    fn opening() -> Option<TextChoice> {
         None
     }
 
-    fn text(&self, text: String, tokens: Vec<TokenLogprob>) -> TextChoice {
-        let logprobs = self.logprobs.then(|| {
+    fn text(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> TextChoice {
+        let logprobs = answer.logprobs.then(|| {
             let mut all = TextLogprobs::default();
             tokens.iter().for_each(|token| all.push(token));
             all
@@ -373,7 +334,7 @@ impl Chunks for TextStream {
         TextChoice { index: 0, text, logprobs, finish_reason: None, x_sift: None }
     }
 
-    fn last(&self, finished: &Finished) -> TextChoice {
+    fn last(finished: &Finished) -> TextChoice {
         TextChoice {
             index: 0,
             text: String::new(),
@@ -385,26 +346,16 @@ impl Chunks for TextStream {
 }
 
 /// Server-sent events from the worker's events, by a task that ends when the client goes away.
-fn stream<K: Chunks>(kind: K, mut events: UnboundedReceiver<Event>) -> Response {
+fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Response {
     let (sse, body) = channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
         let send = |data: String| {
             let sse = sse.clone();
             async move { sse.send(Ok(SseEvent::default().data(data))).await.is_ok() }
         };
-        let chunk = |kind: &K, choices: Vec<K::Choice>, usage: Option<Usage>| {
-            let reply = kind.reply();
-            json(&Completion {
-                id: reply.id.clone(),
-                object: K::OBJECT,
-                created: reply.created,
-                model: reply.model.clone(),
-                choices,
-                usage,
-            })
-        };
-        if let Some(opening) = kind.opening() {
-            if !send(chunk(&kind, vec![opening], None)).await {
+        let chunk = |choices: Vec<K::Chunk>, usage| json(&answer.completion(K::CHUNK_OBJECT, choices, usage));
+        if let Some(opening) = K::opening() {
+            if !send(chunk(vec![opening], None)).await {
                 return;
             }
         }
@@ -416,14 +367,11 @@ fn stream<K: Chunks>(kind: K, mut events: UnboundedReceiver<Event>) -> Response 
                     tokens.push(token);
                     true
                 }
-                Event::Text(text) => {
-                    let choice = kind.text(text, std::mem::take(&mut tokens));
-                    send(chunk(&kind, vec![choice], None)).await
-                }
+                Event::Text(text) => send(chunk(vec![K::text(&answer, text, std::mem::take(&mut tokens))], None)).await,
                 Event::Finished(finished) => {
-                    let last = chunk(&kind, vec![kind.last(&finished)], None);
-                    let usage = completed(kind.usage(), &finished);
-                    let usage = kind.reply().include_usage.then(|| chunk(&kind, Vec::new(), Some(usage)));
+                    let last = chunk(vec![K::last(&finished)], None);
+                    let usage = completed(answer.usage, &finished);
+                    let usage = answer.include_usage.then(|| chunk(Vec::new(), Some(usage)));
                     for data in [Some(last), usage, Some("[DONE]".to_string())].into_iter().flatten() {
                         if !send(data).await {
                             break;

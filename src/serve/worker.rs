@@ -93,11 +93,15 @@ impl Queue {
 
 /// The model's side: serves jobs until every handle of the queue is gone.
 pub struct Worker<'m> {
-    pub conversation: Conversation<'m>,
-    pub template: ChatTemplate,
+    conversation: Conversation<'m>,
+    template: ChatTemplate,
 }
 
-impl Worker<'_> {
+impl<'m> Worker<'m> {
+    pub fn new(conversation: Conversation<'m>, template: ChatTemplate) -> Self {
+        Self { conversation, template }
+    }
+
     pub fn run(&mut self, jobs: Receiver<Job>) {
         for job in jobs {
             if job.events.is_closed() {

@@ -90,3 +90,33 @@ impl Rng {
         ((0..4).map(|_| self.unit()).sum::<f64>() - 2.0) * 3f64.sqrt()
     }
 }
+
+/// Set in a child run of [`on_every_isa`]: the ISA the child must run on.
+const ISA_UNDER_TEST: &str = "SIFT_TEST_ISA";
+
+/// Runs test `name` of this test binary again in a child process for every
+/// ISA this CPU has (`SIFT_ISA` picks a process's kernel table once), and
+/// fails if a run fails or runs no test. Does nothing inside such a child.
+pub fn on_every_isa(name: &str) {
+    if std::env::var_os(ISA_UNDER_TEST).is_some() {
+        return;
+    }
+    for isa in simd::Isa::available() {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--include-ignored", "--test-threads=1"])
+            .env("SIFT_ISA", isa.name())
+            .env(ISA_UNDER_TEST, isa.name())
+            .output()
+            .unwrap();
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success() && text.contains("1 passed"), "{name} on {isa}:\n{text}");
+    }
+}
+
+/// In a child run of [`on_every_isa`], checks that the kernels are the
+/// ISA's it was started for.
+pub fn check_isa_under_test() {
+    if let Ok(isa) = std::env::var(ISA_UNDER_TEST) {
+        assert_eq!(simd::kernels().isa().name(), isa, "the kernel table is not the one asked for");
+    }
+}

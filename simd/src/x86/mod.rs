@@ -52,6 +52,7 @@ mod q5_k;
 mod q6_k;
 mod q8_0;
 mod quantize;
+mod sketch;
 mod superblock;
 pub(crate) mod tile;
 
@@ -308,12 +309,14 @@ pub(crate) unsafe fn register(k: &mut Kernels, isa: Isa) {
                  Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k);
             float::register_avx2(k);
             k.set_attention(attention::AVX2);
+            k.set_sketch(sketch::AVX2);
         }
         Isa::Avx512 => {
             set!(avx512: Q8_0 => q8_0, Q4_0 => q4_0, Q5_0 => q5_0, Q4_1 => q4_1, Q5_1 => q5_1,
                  Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k);
             float::register_avx512(k);
             k.set_attention(attention::AVX512);
+            k.set_sketch(sketch::AVX512);
         }
     }
     // AVX-512 implies AVX2: both use the AVX2 quantizers.

@@ -1,0 +1,329 @@
+//! The key sketch's scan: bounds on the scores of a page of keys from their
+//! 4-bit (or 2-bit) codes, for certified attention's candidate generation.
+//!
+//! sift's key sketch (`src/kv/sketch.rs`, where the bounds are derived) keeps
+//! per channel `c` of a page a minimum and a step, and per key `i` a code
+//! `h_ic` of `b` bits, packed lowest bits first, `8 / b` codes to a byte. A
+//! query becomes i8 weights `â_c` with `q_c·step_c ≈ α·â_c`, and every key's
+//! bounds are then one integer dot product and one multiply-add:
+//!
+//! ```text
+//! I_i = Σ_c â_c·h_ic        lower_i = β·I_i + C₋        upper_i = β·I_i + C₊
+//! ```
+//!
+//! with `β`, `C₋` and `C₊` set up once per page and query ([`SketchQuery`]).
+//! This module computes the `I_i` and the bounds for every key of a run of
+//! rows and for several queries at once: the query heads that share one KV
+//! head scan its codes once, each row loaded once for all of them.
+//!
+//! # The weights' order
+//!
+//! A code byte holds `f = 8 / b` codes, channels `f·m .. f·m + f` of byte
+//! `m`. The weights are split the same way, into `f` *planes* of one weight
+//! per code byte: plane `j` holds the weights of field `j` of every byte
+//! ([`SketchLayout::weight_slot`]), so that a vector of code bytes, shifted
+//! and masked to field `j`, meets a vector of weights loaded straight from
+//! plane `j`. Channels past `dim` (in a row's last byte) have weight 0.
+//!
+//! # Exactness
+//!
+//! The integer dot is exact on every table: `|I_i| ≤ 128·15·dim` fits an i32
+//! for the dimensions allowed (at most 2^20), the x86 products of a code byte
+//! and a weight never saturate (see `x86/sketch.rs`), and integer sums do not
+//! depend on their order. The bounds are `fl(fl(β·fl(I)) + C)` in f32, the
+//! same three roundings on every table, so every table gives the same bits.
+
+use crate::Kernels;
+
+/// The keys' part of the scan layout: `dim` codes of `bits` bits (2 or 4) a
+/// row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SketchLayout {
+    /// Codes (channels) per row.
+    pub dim: usize,
+    /// Bits per code: 2 or 4.
+    pub bits: u32,
+}
+
+impl SketchLayout {
+    /// Codes per byte.
+    pub fn fields(&self) -> usize {
+        8 / self.bits as usize
+    }
+
+    /// Bytes of one row's codes.
+    pub fn row_bytes(&self) -> usize {
+        (self.dim * self.bits as usize).div_ceil(8)
+    }
+
+    /// Weights a query needs: one per code field of a row's bytes.
+    pub fn weights_len(&self) -> usize {
+        self.fields() * self.row_bytes()
+    }
+
+    /// Where channel `c`'s weight goes among a query's weights (see the
+    /// module's note on their order).
+    pub fn weight_slot(&self, c: usize) -> usize {
+        let fields = self.fields();
+        (c % fields) * self.row_bytes() + c / fields
+    }
+
+    #[track_caller]
+    fn check(&self) {
+        assert!(self.bits == 2 || self.bits == 4, "the scan reads 2- or 4-bit codes, not {}-bit", self.bits);
+        assert!(self.dim > 0 && self.dim <= 1 << 20, "rows of {} codes", self.dim);
+    }
+}
+
+/// Rows of key codes, end to end, as the scan reads them.
+#[derive(Clone, Copy, Debug)]
+pub struct SketchCodes<'a> {
+    /// Codes per row and their width.
+    pub layout: SketchLayout,
+    /// The codes, each row in [`SketchLayout::row_bytes`] bytes.
+    pub codes: &'a [u8],
+}
+
+impl SketchCodes<'_> {
+    /// The number of rows, after checking that the codes are whole rows.
+    #[track_caller]
+    fn rows(&self) -> usize {
+        self.layout.check();
+        let len = self.layout.row_bytes();
+        assert!(self.codes.len().is_multiple_of(len), "{} bytes are not whole rows of {len}", self.codes.len());
+        self.codes.len() / len
+    }
+}
+
+/// One query prepared for scanning one page: its weights in the planes'
+/// order ([`SketchLayout::weight_slot`]) and the constants that turn an
+/// integer dot `I` into bounds `β·I + C±`.
+#[derive(Clone, Copy, Debug)]
+pub struct SketchQuery<'a> {
+    /// [`SketchLayout::weights_len`] weights, plane after plane.
+    pub weights: &'a [i8],
+    /// `β`: a bound's change per unit of the integer dot.
+    pub beta: f32,
+    /// `C₋`, the lower bound's constant.
+    pub lower: f32,
+    /// `C₊`, the upper bound's constant.
+    pub upper: f32,
+}
+
+impl SketchQuery<'_> {
+    /// The bounds of a key whose integer dot is `dot`: the f32 operations
+    /// of every table.
+    #[inline(always)]
+    pub fn bounds(&self, dot: i32) -> Bounds {
+        let x = self.beta * dot as f32;
+        Bounds { lower: x + self.lower, upper: x + self.upper }
+    }
+}
+
+/// Lower and upper bounds on a score.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Bounds {
+    /// At most the score.
+    pub lower: f32,
+    /// At least the score.
+    pub upper: f32,
+}
+
+/// The integer dots of a block of rows with a group of queries: the part of
+/// the scan each table writes with its own instructions.
+pub(crate) trait BlockDots {
+    /// `out[g][r] = Σ_j Σ_m weights[g][j·len + m] · field_j(row_r[m])`, `len`
+    /// the row bytes, `row_r` row `rows[r]` of `codes` (codes of `BITS` bits),
+    /// `field_j` of a byte its `j`-th code.
+    ///
+    /// # Safety
+    /// The CPU must support the table's ISA; every row index is below the
+    /// number of rows, and every query has [`SketchLayout::weights_len`]
+    /// weights.
+    unsafe fn dots<const BITS: u32, const G: usize, const R: usize>(
+        codes: &SketchCodes,
+        weights: [&[i8]; G],
+        rows: [usize; R],
+    ) -> [[i32; R]; G];
+}
+
+/// Rows per block of the scan: a page.
+const BLOCK: usize = 64;
+
+/// Calls `emit(query, dots, out)` for every query with its integer dots
+/// against every row of `codes` and its own `rows`-long part of `out`,
+/// a block of rows at a time.
+///
+/// # Safety
+/// As [`BlockDots::dots`]; the caller has checked the layout, the number of
+/// weights of every query, and that `out` holds `rows` items per query.
+#[inline(always)]
+unsafe fn scan<D: BlockDots, T>(
+    codes: &SketchCodes,
+    queries: &[SketchQuery],
+    rows: usize,
+    out: &mut [T],
+    emit: impl Fn(&SketchQuery, &[i32], &mut [T]) + Copy,
+) {
+    if rows == 0 {
+        return;
+    }
+    let mut queries = queries.iter().zip(out.chunks_exact_mut(rows));
+    // SAFETY (every arm): the caller's guarantees are passed on.
+    loop {
+        match (queries.len(), codes.layout.bits) {
+            (0, _) => break,
+            (1, 4) => unsafe { scan_group::<D, T, 4, 1, 8>(codes, &mut queries, rows, emit) },
+            (2 | 3, 4) => unsafe { scan_group::<D, T, 4, 2, 4>(codes, &mut queries, rows, emit) },
+            (_, 4) => unsafe { scan_group::<D, T, 4, 4, 2>(codes, &mut queries, rows, emit) },
+            (1, _) => unsafe { scan_group::<D, T, 2, 1, 8>(codes, &mut queries, rows, emit) },
+            (2 | 3, _) => unsafe { scan_group::<D, T, 2, 2, 4>(codes, &mut queries, rows, emit) },
+            (_, _) => unsafe { scan_group::<D, T, 2, 4, 2>(codes, &mut queries, rows, emit) },
+        }
+    }
+}
+
+/// [`scan`] of the next `G` queries, `R` rows at a time.
+///
+/// # Safety
+/// As [`scan`]; at least `G` queries are left.
+#[inline(always)]
+unsafe fn scan_group<'a, 'q: 'a, D: BlockDots, T: 'a, const BITS: u32, const G: usize, const R: usize>(
+    codes: &SketchCodes,
+    queries: &mut impl Iterator<Item = (&'a SketchQuery<'q>, &'a mut [T])>,
+    rows: usize,
+    emit: impl Fn(&SketchQuery, &[i32], &mut [T]),
+) {
+    let mut group: [_; G] = core::array::from_fn(|_| queries.next().expect("a whole group is left"));
+    let weights = group.each_ref().map(|(q, _)| q.weights);
+    for first in (0..rows).step_by(BLOCK) {
+        let block = first..rows.min(first + BLOCK);
+        let mut dots = [[0i32; BLOCK]; G];
+        for j in block.clone().step_by(R) {
+            // Past the last row, the block repeats it (and drops its dots).
+            let at = core::array::from_fn(|r| (j + r).min(rows - 1));
+            // SAFETY: the caller's guarantees are passed on; every row is in bounds.
+            let block_dots = unsafe { D::dots::<BITS, G, R>(codes, weights, at) };
+            for (dots, block_dots) in dots.iter_mut().zip(block_dots) {
+                for (r, dot) in block_dots.into_iter().enumerate().take(block.end - j) {
+                    dots[j - first + r] = dot;
+                }
+            }
+        }
+        for ((query, out), dots) in group.iter_mut().zip(&dots) {
+            emit(query, &dots[..block.len()], &mut out[block.clone()]);
+        }
+    }
+}
+
+/// The integer dots of every query with every row into `out`, query after
+/// query.
+///
+/// # Safety
+/// As [`scan`].
+#[inline(always)]
+pub(crate) unsafe fn scan_dots<D: BlockDots>(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]) {
+    let rows = out.len() / queries.len().max(1);
+    // SAFETY: the caller's guarantees are passed on.
+    unsafe { scan::<D, i32>(codes, queries, rows, out, |_, dots, out| out.copy_from_slice(dots)) }
+}
+
+/// The bounds of every query's score with every row into `out`, query after
+/// query.
+///
+/// # Safety
+/// As [`scan`].
+#[inline(always)]
+pub(crate) unsafe fn scan_bounds<D: BlockDots>(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [Bounds]) {
+    let rows = out.len() / queries.len().max(1);
+    let emit = |query: &SketchQuery, dots: &[i32], out: &mut [Bounds]| {
+        for (o, &dot) in out.iter_mut().zip(dots) {
+            *o = query.bounds(dot);
+        }
+    };
+    // SAFETY: the caller's guarantees are passed on.
+    unsafe { scan::<D, Bounds>(codes, queries, rows, out, emit) }
+}
+
+/// The portable table's integer dots: plain loops.
+pub(crate) struct Portable;
+
+impl BlockDots for Portable {
+    #[inline(always)]
+    unsafe fn dots<const BITS: u32, const G: usize, const R: usize>(
+        codes: &SketchCodes,
+        weights: [&[i8]; G],
+        rows: [usize; R],
+    ) -> [[i32; R]; G] {
+        let len = codes.layout.row_bytes();
+        let mask = (1u8 << BITS) - 1;
+        let mut out = [[0; R]; G];
+        for (out, weights) in out.iter_mut().zip(weights) {
+            for (out, &r) in out.iter_mut().zip(&rows) {
+                let row = &codes.codes[r * len..][..len];
+                for (j, plane) in weights.chunks_exact(len).enumerate() {
+                    let shift = BITS as usize * j;
+                    *out += row
+                        .iter()
+                        .zip(plane)
+                        .map(|(&b, &w)| i32::from((b >> shift) & mask) * i32::from(w))
+                        .sum::<i32>();
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The portable table's entries.
+pub(crate) mod portable {
+    use super::*;
+
+    /// Table entry: [`scan_dots`] (lengths checked by the caller).
+    pub(crate) fn dots(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]) {
+        // SAFETY: `Portable` uses no ISA-specific instructions.
+        unsafe { scan_dots::<Portable>(codes, queries, out) }
+    }
+
+    /// Table entry: [`scan_bounds`] (lengths checked by the caller).
+    pub(crate) fn bounds(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [Bounds]) {
+        // SAFETY: as above.
+        unsafe { scan_bounds::<Portable>(codes, queries, out) }
+    }
+}
+
+/// The key sketch's scan (see [`crate::sketch`]).
+impl Kernels {
+    /// `out[h · n + i] = Σ_c â_hc · h_ic`: the integer dot of query `h`'s
+    /// weights with row `i` of the `n` rows of `codes`, exact.
+    ///
+    /// # Panics
+    /// If the codes are not 2 or 4 bits, not whole rows of `1..=2^20` codes,
+    /// a query has other than [`SketchLayout::weights_len`] weights, or `out`
+    /// does not hold `n` numbers per query.
+    pub fn sketch_dots(&self, codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]) {
+        check_scan(codes, queries, out.len());
+        // SAFETY: lengths checked above; the table's ISA is supported (see `dispatch`).
+        unsafe { (self.sketch.dots)(codes, queries, out) }
+    }
+
+    /// `out[h · n + i]` = query `h`'s [`SketchQuery::bounds`] of its integer
+    /// dot with row `i` (as [`Kernels::sketch_dots`] gives it), for the
+    /// queries of one KV head, which read each row once for all of them.
+    ///
+    /// # Panics
+    /// As [`Kernels::sketch_dots`].
+    pub fn sketch_scan(&self, codes: &SketchCodes, queries: &[SketchQuery], out: &mut [Bounds]) {
+        check_scan(codes, queries, out.len());
+        // SAFETY: lengths checked above; the table's ISA is supported (see `dispatch`).
+        unsafe { (self.sketch.bounds)(codes, queries, out) }
+    }
+}
+
+#[track_caller]
+fn check_scan(codes: &SketchCodes, queries: &[SketchQuery], out: usize) {
+    let rows = codes.rows();
+    let weights = codes.layout.weights_len();
+    assert!(queries.iter().all(|q| q.weights.len() == weights), "every query needs {weights} weights");
+    assert_eq!(out, rows * queries.len(), "{} queries by {rows} rows", queries.len());
+}

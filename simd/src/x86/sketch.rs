@@ -1,0 +1,147 @@
+//! The sketch scan's integer dots on AVX2 and AVX-512 VNNI, one body over
+//! [`IsaOps::dp`]: 32 code bytes at a time, each field of them (the low and
+//! high nibbles of 4-bit codes, the four bit pairs of 2-bit ones) shifted and
+//! masked into bytes and multiplied with the matching plane of weights.
+//!
+//! On AVX2, `dp` is `vpmaddubsw` (u8 × i8, adjacent pairs summed into i16
+//! with saturation) and `vpmaddwd` by ones. The codes are below 16 and the
+//! weights at least −128, so a pair sums to at most 2·15·128 = 3840 in
+//! magnitude: far from i16's 32767, no saturation. On AVX-512 VNNI `dp` is
+//! `vpdpbusd`, which sums four products into i32 without saturating at all.
+//! The ymm form serves both: Zen 4 runs zmm operations as two ymm halves.
+
+use core::arch::x86_64::*;
+
+use super::{load32, reduce8x8, Avx2, Avx512, IsaOps};
+use crate::dispatch::SketchKernels;
+use crate::sketch::{BlockDots, Bounds, SketchCodes, SketchQuery};
+
+/// Bytes of codes per vector.
+const VECTOR: usize = 32;
+
+impl<I: IsaOps> BlockDots for I {
+    #[inline(always)]
+    unsafe fn dots<const BITS: u32, const G: usize, const R: usize>(
+        codes: &SketchCodes,
+        weights: [&[i8]; G],
+        rows: [usize; R],
+    ) -> [[i32; R]; G] {
+        const { assert!(G * R == 8, "a block's dots fill one vector of eight") };
+        let len = codes.layout.row_bytes();
+        let rows = rows.map(|r| &codes.codes[r * len..][..len]);
+        // SAFETY: the caller's ISA guarantee covers every intrinsic below.
+        unsafe {
+            let mut acc = [[_mm256_setzero_si256(); R]; G];
+            let mut m = 0;
+            while m + VECTOR <= len {
+                accumulate::<I, BITS, G, R>(&mut acc, rows.map(|row| &row[m..]), weights.map(|w| &w[m..]), len);
+                m += VECTOR;
+            }
+            if m < len {
+                // The last bytes and their weights, padded with zeros.
+                let tail_rows = rows.map(|row| padded::<u8, VECTOR>(&row[m..]));
+                let tail_weights = weights.map(|w| {
+                    let mut planes = [0i8; 4 * VECTOR];
+                    for (plane, w) in planes.chunks_exact_mut(VECTOR).zip(w.chunks_exact(len)) {
+                        plane[..len - m].copy_from_slice(&w[m..]);
+                    }
+                    planes
+                });
+                let tail_rows = tail_rows.each_ref().map(|r| &r[..]);
+                let tail_weights = tail_weights.each_ref().map(|w| &w[..]);
+                accumulate::<I, BITS, G, R>(&mut acc, tail_rows, tail_weights, VECTOR);
+            }
+            let mut flat = [_mm256_setzero_si256(); 8];
+            for (g, acc) in acc.iter().enumerate() {
+                flat[g * R..][..R].copy_from_slice(acc);
+            }
+            let sums: [i32; 8] = bytemuck::cast(reduce8x8(&flat));
+            core::array::from_fn(|g| core::array::from_fn(|r| sums[g * R + r]))
+        }
+    }
+}
+
+/// `x` followed by zeros up to `N` items.
+#[inline(always)]
+fn padded<T: Copy + Default, const N: usize>(x: &[T]) -> [T; N] {
+    let mut out = [T::default(); N];
+    out[..x.len()].copy_from_slice(x);
+    out
+}
+
+/// Adds to `acc[g][r]` the products of the first [`VECTOR`] code bytes of
+/// `rows[r]` with the first [`VECTOR`] weights of each plane of
+/// `weights[g]`, the planes `stride` apart.
+///
+/// # Safety
+/// The CPU must support the ISA; every row has [`VECTOR`] bytes, every
+/// plane as many weights.
+#[inline(always)]
+unsafe fn accumulate<I: IsaOps, const BITS: u32, const G: usize, const R: usize>(
+    acc: &mut [[__m256i; R]; G],
+    rows: [&[u8]; R],
+    weights: [&[i8]; G],
+    stride: usize,
+) {
+    // SAFETY: the caller's ISA guarantee covers every intrinsic below.
+    unsafe {
+        let mask = _mm256_set1_epi8(((1u32 << BITS) - 1) as i8);
+        for j in 0..(8 / BITS) as usize {
+            let shift = _mm_cvtsi32_si128((BITS as usize * j) as i32);
+            let mut w = [_mm256_setzero_si256(); G];
+            for (w, weights) in w.iter_mut().zip(&weights) {
+                *w = load32(first::<i8>(&weights[j * stride..]));
+            }
+            for (r, row) in rows.iter().enumerate() {
+                // Shifting 16-bit lanes moves the next byte's bits into the
+                // top of this one's, where the mask drops them.
+                let field = _mm256_and_si256(_mm256_srl_epi16(load32(first::<u8>(row)), shift), mask);
+                for (acc, w) in acc.iter_mut().zip(&w) {
+                    acc[r] = I::dp(acc[r], field, *w);
+                }
+            }
+        }
+    }
+}
+
+/// The first [`VECTOR`] items of `x`, which has them.
+#[inline(always)]
+fn first<T>(x: &[T]) -> &[T; VECTOR] {
+    x.first_chunk().expect("a whole vector is left")
+}
+
+/// Defines the module `$module` of the scan's table entries on `$I`,
+/// compiled for `$features`.
+macro_rules! sketch_entries {
+    ($module:ident, $I:ty, $features:literal) => {
+        mod $module {
+            use super::*;
+
+            /// # Safety
+            /// The CPU must support the features; lengths as `Kernels::sketch_dots` checks.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn dots(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]) {
+                // SAFETY: this function enables the features.
+                unsafe { crate::sketch::scan_dots::<$I>(codes, queries, out) }
+            }
+
+            /// # Safety
+            /// The CPU must support the features; lengths as `Kernels::sketch_scan` checks.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn bounds(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [Bounds]) {
+                // SAFETY: this function enables the features.
+                unsafe { crate::sketch::scan_bounds::<$I>(codes, queries, out) }
+            }
+        }
+    };
+}
+
+// The feature lists are those `Isa::is_supported` checks.
+sketch_entries!(avx2, Avx2, "avx2,fma,f16c");
+sketch_entries!(avx512, Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+
+/// The AVX2 scan entries.
+pub(super) const AVX2: SketchKernels = SketchKernels { dots: avx2::dots, bounds: avx2::bounds };
+
+/// The AVX-512 VNNI scan entries.
+pub(super) const AVX512: SketchKernels = SketchKernels { dots: avx512::dots, bounds: avx512::bounds };

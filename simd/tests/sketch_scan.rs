@@ -1,0 +1,138 @@
+//! The sketch scan on every ISA against a reference in plain integer
+//! arithmetic: the integer dots exactly, for random codes and weights (every
+//! i8, −128 included), rows not a multiple of any block, odd dimensions and
+//! rows whose codes end inside a vector; the bounds bit for bit, as
+//! `SketchQuery::bounds` of the reference dot.
+
+mod common;
+
+use common::Rng;
+use proptest::prelude::{any, prop, prop_assert_eq, proptest, ProptestConfig, TestCaseError};
+use simd::{Bounds, Isa, Kernels, SketchCodes, SketchLayout, SketchQuery};
+
+/// Code `c` of a row packed lowest bits first.
+fn code(row: &[u8], c: usize, bits: u32) -> i32 {
+    let at = c * bits as usize;
+    i32::from((row[at / 8] >> (at % 8)) & ((1u8 << bits) - 1))
+}
+
+/// `dim` random codes per row, packed, with the unused bits of the last byte
+/// zero (as the cache packs them).
+fn random_codes(rng: &mut Rng, layout: SketchLayout, rows: usize) -> Vec<u8> {
+    let len = layout.row_bytes();
+    let mut codes = vec![0u8; rows * len];
+    for row in codes.chunks_exact_mut(len) {
+        for c in 0..layout.dim {
+            let at = c * layout.bits as usize;
+            row[at / 8] |= (rng.below(1 << layout.bits) as u8) << (at % 8);
+        }
+    }
+    codes
+}
+
+/// Random weights for channels `0..dim` in their slots, zero elsewhere; a
+/// third of the queries draw from the extremes only.
+fn random_weights(rng: &mut Rng, layout: SketchLayout) -> Vec<i8> {
+    let extreme = rng.below(3) == 0;
+    let mut weights = vec![0i8; layout.weights_len()];
+    for c in 0..layout.dim {
+        weights[layout.weight_slot(c)] = if extreme { [-128, -127, 127][rng.below(3)] } else { rng.next_u64() as i8 };
+    }
+    weights
+}
+
+fn check_scan(seed: u64, dim: usize, bits: u32, rows: usize, heads: usize) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    let layout = SketchLayout { dim, bits };
+    let codes = random_codes(&mut rng, layout, rows);
+    let weights: Vec<Vec<i8>> = (0..heads).map(|_| random_weights(&mut rng, layout)).collect();
+    let queries: Vec<SketchQuery> = weights
+        .iter()
+        .map(|w| SketchQuery {
+            weights: w,
+            beta: (rng.normal() * 1e-3) as f32,
+            lower: (rng.normal() - 4.0) as f32,
+            upper: (rng.normal() + 4.0) as f32,
+        })
+        .collect();
+    let len = layout.row_bytes();
+    let want: Vec<i32> = queries
+        .iter()
+        .flat_map(|q| {
+            codes.chunks_exact(len).map(|row| {
+                (0..dim).map(|c| code(row, c, bits) * i32::from(q.weights[layout.weight_slot(c)])).sum::<i32>()
+            })
+        })
+        .collect();
+    let want_bounds: Vec<Bounds> = want.iter().enumerate().map(|(k, &dot)| queries[k / rows].bounds(dot)).collect();
+    let sketch = SketchCodes { layout, codes: &codes };
+    for isa in Isa::available() {
+        let k = Kernels::for_isa(isa).unwrap();
+        let mut dots = vec![i32::MIN; heads * rows];
+        k.sketch_dots(&sketch, &queries, &mut dots);
+        prop_assert_eq!(&dots, &want, "dots on {}: {} heads, {} rows of {} {}-bit codes", isa, heads, rows, dim, bits);
+        let mut bounds = vec![Bounds { lower: f32::NAN, upper: f32::NAN }; heads * rows];
+        k.sketch_scan(&sketch, &queries, &mut bounds);
+        let bits_of = |b: &[Bounds]| b.iter().map(|b| (b.lower.to_bits(), b.upper.to_bits())).collect::<Vec<_>>();
+        prop_assert_eq!(bits_of(&bounds), bits_of(&want_bounds), "bounds on {}", isa);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn every_isa_scans_as_the_reference(
+        seed in any::<u64>(),
+        dim in prop::sample::select(vec![1usize, 2, 3, 5, 7, 31, 33, 63, 64, 65, 96, 127, 128, 129, 200, 256, 257, 512]),
+        bits in prop::sample::select(vec![2u32, 4]),
+        rows in prop::sample::select(vec![0usize, 1, 2, 3, 7, 8, 9, 63, 64, 65, 130]),
+        heads in 1usize..=7,
+    ) {
+        check_scan(seed, dim, bits, rows, heads)?;
+    }
+}
+
+/// Every group size (1 to 4 heads and the groups after a first one), both
+/// widths, and a page of the shapes the models have, whatever proptest draws.
+#[test]
+fn every_group_and_width() {
+    for heads in 1..=9 {
+        for bits in [2, 4] {
+            for dim in [64, 128, 256, 5] {
+                check_scan(heads as u64 * 31 + dim as u64, dim, bits, 64, heads).unwrap();
+            }
+        }
+    }
+}
+
+/// The largest dot there can be: every code at its top and every weight −128,
+/// over the widest rows allowed... of a size a test can hold.
+#[test]
+fn extreme_dots_are_exact() {
+    for bits in [2, 4] {
+        let layout = SketchLayout { dim: 4096, bits };
+        let codes = vec![0xffu8; 3 * layout.row_bytes()];
+        let weights = vec![-128i8; layout.weights_len()];
+        let query = SketchQuery { weights: &weights, beta: 1.0, lower: 0.0, upper: 0.0 };
+        let want = -128 * ((1 << bits) - 1) * 4096;
+        for isa in Isa::available() {
+            let mut dots = [0; 3];
+            Kernels::for_isa(isa).unwrap().sketch_dots(&SketchCodes { layout, codes: &codes }, &[query], &mut dots);
+            assert_eq!(dots, [want; 3], "{bits}-bit on {isa}");
+        }
+    }
+}
+
+/// Contract violations are panics with a message, never wrong answers.
+#[test]
+#[should_panic(expected = "weights")]
+fn a_query_of_the_wrong_size_is_refused() {
+    let layout = SketchLayout { dim: 64, bits: 4 };
+    let codes = vec![0u8; 64 * layout.row_bytes()];
+    let weights = vec![0i8; 63];
+    let query = SketchQuery { weights: &weights, beta: 1.0, lower: 0.0, upper: 0.0 };
+    let mut out = vec![0; 64];
+    simd::kernels().sketch_dots(&SketchCodes { layout, codes: &codes }, &[query], &mut out);
+}
