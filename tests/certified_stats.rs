@@ -187,11 +187,13 @@ impl HeadKeys for Call<'_> {
         let (s, (below, above)) = (self.cache.scores[Cache::pool_key(i)], self.cache.slack[i]);
         (s - below, s + above)
     }
-    fn pool_refined_upper(&mut self, i: usize) -> f64 {
-        self.cache.scores[Cache::pool_key(i)] + self.cache.slack[i].1 / 2.0
+    fn pool_refined_upper(&mut self, i: usize) -> Option<f64> {
+        Some(self.cache.scores[Cache::pool_key(i)] + self.cache.slack[i].1 / 2.0)
     }
-    fn pool_score(&mut self, i: usize) -> f64 {
-        self.cache.scores[Cache::pool_key(i)]
+    fn pool_scores(&mut self, indices: &[u32], out: &mut [f64]) {
+        for (o, &i) in out.iter_mut().zip(indices) {
+            *o = self.cache.scores[Cache::pool_key(i as usize)];
+        }
     }
     fn pool_value(&mut self, i: usize, out: &mut [f32]) {
         out.copy_from_slice(self.cache.value(Cache::pool_key(i)));

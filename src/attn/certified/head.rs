@@ -65,9 +65,11 @@ pub trait HeadKeys {
     fn pool_len(&self) -> usize;
     /// Deterministic `(l_i, u_i)` with `l_i ≤ s_i ≤ u_i`.
     fn pool_bounds(&self, i: usize) -> (f64, f64);
-    /// A deterministic upper bound at most `u_i`, dearer to get.
-    fn pool_refined_upper(&mut self, i: usize) -> f64;
-    fn pool_score(&mut self, i: usize) -> f64;
+    /// A deterministic upper bound at most `u_i`, dearer to get, where the
+    /// keys have one (`None`: go straight to the exact score).
+    fn pool_refined_upper(&mut self, i: usize) -> Option<f64>;
+    /// The scores of the pool keys `indices` (ascending), into `out`.
+    fn pool_scores(&mut self, indices: &[u32], out: &mut [f64]);
     fn pool_value(&mut self, i: usize, out: &mut [f32]);
     /// `E_i ~ Exp(1)`, independent of everything else.
     fn perturbation(&self, i: usize) -> f64;
@@ -138,6 +140,11 @@ pub struct HeadAttention {
     /// become heavy there.
     promotions: Vec<Vec<(u32, f64)>>,
     light_rows: Vec<f32>,
+    /// Keys to score, and their scores, a batch at a time.
+    to_score: Vec<u32>,
+    scores: Vec<f64>,
+    /// Keys of the level being processed that enter its sample.
+    entering: Vec<u32>,
     value: Vec<f32>,
     output: Vec<f64>,
 }
@@ -156,6 +163,9 @@ impl HeadAttention {
             buckets: vec![Vec::new(); levels],
             promotions: vec![Vec::new(); levels],
             light_rows: Vec::new(),
+            to_score: Vec::new(),
+            scores: Vec::new(),
+            entering: Vec::new(),
             value: Vec::new(),
             output: Vec::new(),
         }
@@ -231,27 +241,26 @@ impl HeadAttention {
         let pool = keys.pool_len();
         let lower_max = (0..pool).map(|i| keys.pool_bounds(i).0).fold(f64::NEG_INFINITY, f64::max);
         let floor = exact_max.max(lower_max);
-        let mut c = exact_max;
         self.known.clear();
+        self.to_score.clear();
         for i in 0..pool {
             let upper = keys.pool_bounds(i).1;
             let known = if upper < floor {
                 Known::Scanned(upper)
             } else {
-                record.refined += 1;
-                let refined = keys.pool_refined_upper(i).min(upper);
-                if refined < floor {
-                    Known::Refined(refined)
-                } else {
-                    record.scored += 1;
-                    let s = keys.pool_score(i);
-                    c = c.max(s);
-                    Known::Scored(s)
+                let refined = keys.pool_refined_upper(i).map(|r| r.min(upper));
+                record.refined += usize::from(refined.is_some());
+                match refined.filter(|&r| r < floor) {
+                    Some(refined) => Known::Refined(refined),
+                    None => {
+                        self.to_score.push(i as u32);
+                        Known::Scanned(upper)
+                    }
                 }
             };
             self.known.push(known);
         }
-        c
+        self.score_batch(keys, record).iter().copied().fold(exact_max, f64::max)
     }
 
     /// Processes bucket `j`: promotions due at `j`, then the keys that may
@@ -263,52 +272,80 @@ impl HeadAttention {
             self.sums.promote(w, &self.light_rows[row as usize * dim..][..dim]);
         }
         let mut bucket = std::mem::take(&mut self.buckets[j]);
+        // Bounds first: a key whose (refined) bound shows a later entry
+        // moves on unread; the others are scored in one batch.
+        self.to_score.clear();
+        self.entering.clear();
         for &i in &bucket {
-            let i = i as usize;
-            let e = keys.perturbation(i);
-            loop {
-                let known = self.known[i];
-                let entry = grid.level_of(upper(known) - c + e);
-                if entry != Some(j) {
-                    // A tighter bound shows a later entry (or none); a sound
-                    // bound never shows an earlier one.
-                    debug_assert!(entry.is_none_or(|later| later > j), "a score above its bound");
-                    if let Some(later) = entry {
-                        self.buckets[later].push(i as u32);
-                    }
-                    break;
+            let index = i as usize;
+            if let Known::Scanned(u) = self.known[index] {
+                if let Some(refined) = keys.pool_refined_upper(index) {
+                    record.refined += 1;
+                    self.known[index] = Known::Refined(refined.min(u));
                 }
-                match known {
-                    Known::Scanned(_) => {
-                        record.refined += 1;
-                        self.known[i] = Known::Refined(keys.pool_refined_upper(i).min(upper(known)));
-                    }
-                    Known::Refined(_) => {
-                        record.scored += 1;
-                        self.known[i] = Known::Scored(keys.pool_score(i));
-                    }
-                    Known::Scored(s) => {
-                        record.values_read += 1;
-                        keys.pool_value(i, &mut self.value);
-                        let w = (s - c).exp();
-                        match grid.level_of(s - c) {
-                            Some(heavy) if heavy == j => self.sums.add_exact(w, &self.value),
-                            heavy => {
-                                self.sums.add_light(&self.value);
-                                if let Some(heavy) = heavy {
-                                    let row = (self.light_rows.len() / dim) as u32;
-                                    self.light_rows.extend_from_slice(&self.value);
-                                    self.promotions[heavy].push((row, w));
-                                }
-                            }
-                        }
-                        break;
+            }
+            let known = self.known[index];
+            match known {
+                Known::Scored(_) => self.entering.push(i),
+                known if self.moves_on(j, i, upper(known) - c + keys.perturbation(index)) => {}
+                _ => self.to_score.push(i),
+            }
+        }
+        self.score_batch(keys, record);
+        for k in 0..self.to_score.len() {
+            let i = self.to_score[k];
+            let Known::Scored(s) = self.known[i as usize] else { unreachable!("scored just now") };
+            if !self.moves_on(j, i, s - c + keys.perturbation(i as usize)) {
+                self.entering.push(i);
+            }
+        }
+        for k in 0..self.entering.len() {
+            let i = self.entering[k] as usize;
+            let Known::Scored(s) = self.known[i] else { unreachable!("only scored keys enter") };
+            record.values_read += 1;
+            keys.pool_value(i, &mut self.value);
+            let w = (s - c).exp();
+            match grid.level_of(s - c) {
+                Some(heavy) if heavy == j => self.sums.add_exact(w, &self.value),
+                heavy => {
+                    self.sums.add_light(&self.value);
+                    if let Some(heavy) = heavy {
+                        let row = (self.light_rows.len() / dim) as u32;
+                        self.light_rows.extend_from_slice(&self.value);
+                        self.promotions[heavy].push((row, w));
                     }
                 }
             }
         }
         bucket.clear();
         self.buckets[j] = bucket;
+    }
+
+    /// Whether key `i` of bucket `j`, whose perturbed log-weight is at most
+    /// `log_weight`, enters later (or never): then it is put in that level's
+    /// bucket. A sound bound never shows an earlier level.
+    fn moves_on(&mut self, j: usize, i: u32, log_weight: f64) -> bool {
+        let entry = self.params.grid.level_of(log_weight);
+        debug_assert!(entry.is_none_or(|e| e >= j), "a score above its bound");
+        if entry == Some(j) {
+            return false;
+        }
+        if let Some(later) = entry {
+            self.buckets[later].push(i);
+        }
+        true
+    }
+
+    /// Scores the keys of `to_score`, marking them scored; returns the
+    /// scores.
+    fn score_batch(&mut self, keys: &mut impl HeadKeys, record: &mut HeadRecord) -> &[f64] {
+        self.scores.resize(self.to_score.len(), 0.0);
+        keys.pool_scores(&self.to_score, &mut self.scores);
+        record.scored += self.to_score.len();
+        for (&i, &s) in self.to_score.iter().zip(&self.scores) {
+            self.known[i as usize] = Known::Scored(s);
+        }
+        &self.scores
     }
 
     /// The exact set's keys, into the exact part of the sums.
@@ -323,14 +360,12 @@ impl HeadAttention {
     fn exact(&mut self, keys: &mut impl HeadKeys, c: f64, record: &mut HeadRecord, out: &mut [f32]) {
         self.sums.reset(keys.value_dim());
         self.add_exact_set(keys, c);
+        self.to_score.clear();
+        self.to_score
+            .extend((0..keys.pool_len() as u32).filter(|&i| !matches!(self.known[i as usize], Known::Scored(_))));
+        self.score_batch(keys, record);
         for i in 0..keys.pool_len() {
-            let s = match self.known[i] {
-                Known::Scored(s) => s,
-                _ => {
-                    record.scored += 1;
-                    keys.pool_score(i)
-                }
-            };
+            let Known::Scored(s) = self.known[i] else { unreachable!("every key is scored") };
             keys.pool_value(i, &mut self.value);
             self.sums.add_exact((s - c).exp(), &self.value);
         }

@@ -23,13 +23,17 @@
 //! union bound gives `δ·H·T`; it is no promise that a generation is
 //! unchanged.
 
+pub mod candidates;
 pub mod certificate;
 pub mod estimate;
 pub mod head;
 pub mod levels;
 pub mod perturb;
+pub mod policy;
+pub mod synthetic;
 
 pub use certificate::LevelCertificate;
 pub use head::{HeadAttention, HeadKeys, HeadRecord, Params, Stop};
 pub use levels::Grid;
 pub use perturb::{PerturbationSeed, Perturbations};
+pub use policy::CertifiedPolicy;
