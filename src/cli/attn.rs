@@ -74,3 +74,10 @@ pub struct AttentionArgs {
     #[command(flatten)]
     pub settings: PolicyArgs,
 }
+
+impl AttentionArgs {
+    /// The policy asked for; audited if `audit`.
+    pub fn policy(&self, audit: bool) -> Result<Box<dyn AttentionPolicy>, Usage> {
+        self.settings.policy(self.kind, audit)
+    }
+}

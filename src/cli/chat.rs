@@ -18,8 +18,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::Context;
 use clap::Args;
 use rustyline::error::ReadlineError;
-use sift::attn::dense::Dense;
-use sift::attn::AttentionKind;
 use sift::audit::{audit_token, AuditError, AuditHeader, AuditLog, AuditSummary, ReplySummary};
 use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation, Stats};
@@ -66,6 +64,7 @@ const HELP: &str = "\
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
+    let policy = args.generation.attention.policy(args.audit.audit)?;
     let mut audit = args.audit.create()?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
@@ -79,7 +78,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
             file.path(),
             model.hp.arch.gguf_name(),
             kv_cache,
-            AttentionKind::Dense,
+            args.generation.attention.kind,
             n_ctx,
             Some(&sampling),
             None,
@@ -96,7 +95,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     }
     let storage = args.generation.cache.storage();
     let mut chat = Chat {
-        conversation: Conversation::new(&model, &tokenizer, n_ctx, storage, Box::new(Dense), sampling),
+        conversation: Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling),
         template,
         messages: Vec::new(),
         max_tokens: args.n_predict,
