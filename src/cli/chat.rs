@@ -64,14 +64,15 @@ const HELP: &str = "\
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
-    let policy = args.generation.attention.policy(args.audit.audit)?;
+    // The sampling seed draws certified attention's perturbations too.
+    let sampling = args.generation.sampling();
+    let policy = args.generation.attention.policy(sampling.seed, args.audit.audit)?;
     let mut audit = args.audit.create()?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
-    let sampling = args.generation.sampling();
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
         audit.header(&AuditHeader::new(

@@ -53,7 +53,9 @@ pub struct RunArgs {
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
-    let policy = args.generation.attention.policy(args.audit.audit)?;
+    // The sampling seed draws certified attention's perturbations too.
+    let sampling = args.generation.sampling();
+    let policy = args.generation.attention.policy(sampling.seed, args.audit.audit)?;
     let mut audit = args.audit.create()?;
     let prompt = read_prompt(args.prompt.as_deref())?;
     let file = args.model.open()?;
@@ -74,7 +76,6 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         None => tokenizer.encode(&prompt, true, false)?,
     };
-    let sampling = args.generation.sampling();
     let storage = args.generation.cache.storage();
     let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
     conversation.check_fits(&prompt_ids)?;

@@ -48,13 +48,14 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let policy = args.generation.attention.policy(false)?;
+    // The sampling seed draws certified attention's perturbations too.
+    let sampling = args.generation.sampling();
+    let policy = args.generation.attention.policy(sampling.seed, false)?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
-    let sampling = args.generation.sampling();
     let storage = args.generation.cache.storage();
     let conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
     let listener = TcpListener::bind((args.host, args.port))
