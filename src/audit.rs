@@ -1,7 +1,10 @@
 //! `--audit-out`: a JSON Lines record of a generation, one object a line, told apart by `type`:
 //! a `header` (model, cache, attention, context, sampling), a `token` line for every token
 //! sampled (its log-probability, the five most likely tokens, the attention's error
-//! certificate), a `reply` line after each turn of a chat, and a closing `summary`.
+//! certificate), a `reply` line after each turn of a chat, and a closing `summary`. With
+//! `--audit`, every decoding step also gets an `attention` line per layer and query head that
+//! the audit checked against exact attention ([`AttentionRow`]); `sift perplexity` writes only
+//! those, between its header and summary.
 //!
 //! A file that ends without its summary is never left under the asked-for name: the lines go to
 //! a `.partial` file beside it, which is synced and renamed onto the name only after the summary,
@@ -10,11 +13,13 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::attn::{AttentionKind, Certificate, HeadRecord, Measure};
 use crate::generate::{Sampled, StopReason};
 use crate::kv::KvMode;
 use crate::sample::SamplingParams;
@@ -31,27 +36,6 @@ pub struct AuditError {
     source: io::Error,
 }
 
-/// Which attention computed a token, and so what its certificate promises.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AttentionKind {
-    /// Every key read exactly: the certificate is zero.
-    Dense,
-}
-
-/// How far the attention output may be from exact attention's: within `epsilon` except with
-/// probability at most `delta`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Certificate {
-    pub kind: AttentionKind,
-    pub epsilon: f64,
-    pub delta: f64,
-}
-
-impl Certificate {
-    pub const DENSE: Self = Self { kind: AttentionKind::Dense, epsilon: 0.0, delta: 0.0 };
-}
-
 /// The first line: what produced the tokens that follow.
 #[derive(Debug, Clone, Serialize)]
 pub struct AuditHeader {
@@ -61,8 +45,9 @@ pub struct AuditHeader {
     pub kv_cache: String,
     pub attention: AttentionKind,
     pub n_ctx: usize,
-    /// The sampling settings, seed included, that reproduce the run.
-    pub sampling: SamplingParams,
+    /// The sampling settings, seed included, that reproduce the run (none for perplexity).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sampling: Option<SamplingParams>,
     /// The prompt's length; a chat gives it per turn, in its `reply` lines.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_tokens: Option<usize>,
@@ -74,17 +59,18 @@ impl AuditHeader {
         model: &Path,
         architecture: &'static str,
         kv_cache: KvMode,
+        attention: AttentionKind,
         n_ctx: usize,
-        sampling: &SamplingParams,
+        sampling: Option<&SamplingParams>,
         prompt_tokens: Option<usize>,
     ) -> Self {
         Self {
             model: model.display().to_string(),
             architecture,
             kv_cache: kv_cache.to_string(),
-            attention: AttentionKind::Dense,
+            attention,
             n_ctx,
-            sampling: sampling.clone(),
+            sampling: sampling.cloned(),
             prompt_tokens,
             sift_version: env!("CARGO_PKG_VERSION"),
         }
@@ -109,6 +95,8 @@ pub struct AuditRecord {
     pub logprob: f32,
     /// The [`TOP`] most likely tokens, most likely first (ties: lowest id first).
     pub top: Vec<Alternative>,
+    /// What the attention of the forward call that computed the logits
+    /// promises: the weakest of its heads' certificates.
     pub attention: Certificate,
 }
 
@@ -121,7 +109,7 @@ pub struct Alternative {
 }
 
 impl AuditRecord {
-    pub fn new(sampled: &Sampled, tokenizer: &Tokenizer, turn: Option<usize>, attention: Certificate) -> Self {
+    pub fn new(sampled: &Sampled, tokenizer: &Tokenizer, turn: Option<usize>) -> Self {
         let logits = sampled.logits;
         let log_z = log_sum_exp(logits);
         let logprob = |id: u32| (f64::from(logits[id as usize]) - log_z) as f32;
@@ -141,7 +129,7 @@ impl AuditRecord {
             text: sampled.text.to_string(),
             logprob: logprob(sampled.token),
             top,
-            attention,
+            attention: Certificate::weakest(sampled.attention),
         }
     }
 }
@@ -169,10 +157,80 @@ pub struct AuditSummary {
     pub turns: Option<usize>,
 }
 
+/// One query head's attention in one decoding step, as the audit checked it.
+#[derive(Debug, Clone, Serialize)]
+pub struct AttentionRow {
+    /// The chat turn (from 1), for `sift chat`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turn: Option<usize>,
+    /// The chunk of the text (from 0), for `sift perplexity`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chunk: Option<usize>,
+    /// The decoding step: of the generation, or of the chunk's scored half.
+    pub step: usize,
+    /// The position of the token the step ran.
+    pub position: usize,
+    pub layer: usize,
+    pub head: usize,
+    pub kind: AttentionKind,
+    pub measure: Measure,
+    /// The certificate's ε and δ (ε is `null` for a method without a bound).
+    pub epsilon: f64,
+    pub delta: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub level: Option<u32>,
+    pub fallback: bool,
+    pub visible: usize,
+    pub keys_read: usize,
+    pub bytes_read: f64,
+    pub dense_bytes: f64,
+    /// The error against exact attention, on `measure`'s scale.
+    pub error: f64,
+    /// The bound the certificate proved, where it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bound: Option<f64>,
+    pub violated: bool,
+}
+
+impl AttentionRow {
+    /// The row of a record the audit checked; none for one it did not.
+    pub fn new(
+        record: &HeadRecord,
+        turn: Option<usize>,
+        chunk: Option<usize>,
+        step: usize,
+        position: usize,
+    ) -> Option<Self> {
+        let checked = record.audit?;
+        Some(Self {
+            turn,
+            chunk,
+            step,
+            position,
+            layer: record.layer,
+            head: record.head,
+            kind: record.certificate.kind,
+            measure: checked.measure,
+            epsilon: record.certificate.epsilon,
+            delta: record.certificate.delta,
+            level: record.level,
+            fallback: record.fallback,
+            visible: record.visible,
+            keys_read: record.keys_read,
+            bytes_read: record.bytes_read,
+            dense_bytes: checked.dense_bytes,
+            error: checked.error,
+            bound: record.estimate.map(|e| e.bound).filter(|b| b.is_finite()),
+            violated: checked.violated,
+        })
+    }
+}
+
 #[derive(Serialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum Line<'a> {
     Header(&'a AuditHeader),
+    Attention(&'a AttentionRow),
     Token(&'a AuditRecord),
     Reply(&'a ReplySummary),
     Summary {
@@ -223,6 +281,10 @@ impl AuditLog {
         self.write(&Line::Token(record))
     }
 
+    pub fn attention(&mut self, row: &AttentionRow) -> Result<(), AuditError> {
+        self.write(&Line::Attention(row))
+    }
+
     pub fn reply(&mut self, reply: &ReplySummary) -> Result<(), AuditError> {
         self.write(&Line::Reply(reply))
     }
@@ -255,6 +317,33 @@ impl Drop for AuditLog {
     fn drop(&mut self) {
         if let Some(partial) = &self.partial {
             let _ = std::fs::remove_file(partial);
+        }
+    }
+}
+
+/// Writes a token's audit line, if an audit is being written. The first failure is kept in
+/// `failure` and stops the generation: an audit with a gap is worth nothing.
+pub fn audit_token(
+    audit: Option<&mut AuditLog>,
+    failure: &mut Option<AuditError>,
+    sampled: &Sampled,
+    tokenizer: &Tokenizer,
+    turn: Option<usize>,
+) -> ControlFlow<()> {
+    let Some(audit) = audit else {
+        return ControlFlow::Continue(());
+    };
+    // The attention lines of the step that computed the logits, which ran the token before.
+    let position = sampled.position.saturating_sub(1);
+    let rows = sampled.attention.iter().filter_map(|r| AttentionRow::new(r, turn, None, sampled.step, position));
+    let written = audit
+        .token(&AuditRecord::new(sampled, tokenizer, turn))
+        .and_then(|()| rows.into_iter().try_for_each(|row| audit.attention(&row)));
+    match written {
+        Ok(()) => ControlFlow::Continue(()),
+        Err(e) => {
+            *failure = Some(e);
+            ControlFlow::Break(())
         }
     }
 }

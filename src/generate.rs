@@ -6,6 +6,7 @@ use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::attn::HeadRecord;
 use crate::engine::{EngineError, Session};
 use crate::sample::Sampler;
 use crate::tokenizer::{TextStream, Tokenizer};
@@ -30,6 +31,8 @@ pub struct Limits<'a> {
     pub interrupt: Option<&'a AtomicBool>,
 }
 
+/// What a generation produced, and what it cost. It serializes as `sift run --json` prints it:
+/// `prompt_tokens`, `tokens` (the count), `token_ids`, `text`, `stop`, `seed` and `timings`.
 #[derive(Debug, Clone)]
 pub struct Generated {
     /// Every token sampled, a stop string's included.
@@ -37,11 +40,70 @@ pub struct Generated {
     /// The text streamed, a stop string's excluded.
     pub text: String,
     pub stop: StopReason,
+    /// The sampler's seed.
+    pub seed: u64,
+    /// Tokens prefilled before the first one was sampled.
     pub prompt_tokens: usize,
     pub prefill_time: Duration,
     /// Time spent in decode steps, and how many there were.
     pub decode_time: Duration,
     pub decode_steps: usize,
+}
+
+impl Generated {
+    pub fn prefill_tok_s(&self) -> f64 {
+        per_second(self.prompt_tokens, self.prefill_time)
+    }
+
+    pub fn decode_tok_s(&self) -> f64 {
+        per_second(self.decode_steps, self.decode_time)
+    }
+}
+
+fn per_second(n: usize, time: Duration) -> f64 {
+    if time.is_zero() {
+        0.0
+    } else {
+        n as f64 / time.as_secs_f64()
+    }
+}
+
+impl serde::Serialize for Generated {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        #[derive(serde::Serialize)]
+        struct Timings {
+            prefill_ms: f64,
+            decode_ms: f64,
+            prefill_tok_s: f64,
+            decode_tok_s: f64,
+        }
+        #[derive(serde::Serialize)]
+        struct Shape<'a> {
+            prompt_tokens: usize,
+            tokens: usize,
+            token_ids: &'a [u32],
+            text: &'a str,
+            stop: StopReason,
+            seed: u64,
+            timings: Timings,
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let shape = Shape {
+            prompt_tokens: self.prompt_tokens,
+            tokens: self.tokens.len(),
+            token_ids: &self.tokens,
+            text: &self.text,
+            stop: self.stop,
+            seed: self.seed,
+            timings: Timings {
+                prefill_ms: ms(self.prefill_time),
+                decode_ms: ms(self.decode_time),
+                prefill_tok_s: self.prefill_tok_s(),
+                decode_tok_s: self.decode_tok_s(),
+            },
+        };
+        serde::Serialize::serialize(&shape, serializer)
+    }
 }
 
 /// A token just sampled, and what it was sampled from, for an audit of the generation.
@@ -57,6 +119,8 @@ pub struct Sampled<'a> {
     pub text: &'a str,
     /// The model's logits, before any sampling step changed them.
     pub logits: &'a [f32],
+    /// What attention did in the forward call that computed the logits.
+    pub attention: &'a [HeadRecord],
 }
 
 /// Appends `prompt` to the session and generates after it. `on_text` receives text as soon as it
@@ -85,6 +149,7 @@ pub fn generate(
         tokens: Vec::new(),
         text: String::new(),
         stop: StopReason::TokenLimit,
+        seed: sampler.params().seed,
         prompt_tokens: prompt.len(),
         prefill_time,
         decode_time: Duration::ZERO,
@@ -104,8 +169,14 @@ pub fn generate(
         let token = sampler.sample(&logits);
         let eog = tokenizer.is_eog(token);
         let text = if eog { String::new() } else { stream.push(token) };
-        let sampled =
-            Sampled { step: out.tokens.len(), position: session.n_past(), token, text: &text, logits: &logits };
+        let sampled = Sampled {
+            step: out.tokens.len(),
+            position: session.n_past(),
+            token,
+            text: &text,
+            logits: &logits,
+            attention: session.last_records(),
+        };
         if on_token(&sampled).is_break() {
             out.stop = StopReason::Interrupted;
             return Ok(out);

@@ -6,11 +6,13 @@
 //! [`kv`] cache; [`engine`] drives prefill and decoding for a session;
 //! [`sample`] picks tokens; [`tokenizer`] maps text to ids and back; [`generate`]
 //! runs the loop of the two, and [`chat`] renders conversations for it;
-//! [`audit`] records a generation token by token.
+//! [`conversation`] keeps a session's cache across the requests of a conversation, for the
+//! command line and for [`serve`], the HTTP server; [`audit`] records a generation token by token.
 
 pub mod attn;
 pub mod audit;
 pub mod chat;
+pub mod conversation;
 pub mod engine;
 pub mod generate;
 pub mod gguf;
@@ -19,5 +21,6 @@ pub mod matmul;
 pub mod model;
 pub mod perplexity;
 pub mod sample;
+pub mod serve;
 pub mod threads;
 pub mod tokenizer;

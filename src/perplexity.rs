@@ -25,7 +25,7 @@ use crate::matmul::MatmulScratch;
 /// Tokens a base run keeps per scored position.
 pub const TOP_K: usize = 32;
 
-/// How to cut a text into windows.
+/// How to cut a text into windows, and how to run them.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Windows {
     /// Evaluate at most this many windows.
@@ -33,6 +33,20 @@ pub struct Windows {
     /// Start a window every `stride` tokens and score its last `stride`
     /// predictions; `None`: non-overlapping windows, second halves scored.
     pub stride: Option<usize>,
+    pub scoring: Scoring,
+}
+
+/// How a window's scored positions are run through the model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Scoring {
+    /// In batches, like the unscored ones: llama-perplexity's way. Batches
+    /// attend densely whatever the session's policy.
+    #[default]
+    Batched,
+    /// The unscored positions in batches, then one decoding step per scored
+    /// position, so that the scored tokens see the session's attention
+    /// policy exactly as generation would.
+    Decoded,
 }
 
 /// One scored position of a run.
@@ -100,8 +114,8 @@ const LOGIT_ROWS: usize = 32;
 /// Evaluates `tokens`, keeping the `keep_top` most likely tokens of every
 /// scored position, and comparing with `base` where given: a base run's
 /// scored positions from this text's first on (more may follow, of other
-/// texts). `progress(tokens_evaluated)`
-/// is called after every batch.
+/// texts). `progress` is called after every forward call (a batch, or a
+/// decoding step), when the session's records are that call's.
 pub fn evaluate(
     session: &mut Session,
     tokens: &[u32],
@@ -109,25 +123,34 @@ pub fn evaluate(
     windows: Windows,
     keep_top: usize,
     base: Option<&[Scored]>,
-    mut progress: impl FnMut(usize),
+    mut progress: impl FnMut(&Progress),
 ) -> Result<Evaluation, PerplexityError> {
     let n_ctx = session.n_ctx();
     let (step, first_scored) = layout(n_ctx, windows.stride)?;
     let n_windows = window_count(tokens.len(), n_ctx, windows)?;
     let model = session.model();
     let (n_vocab, n_embd) = (model.hp.n_vocab, model.hp.n_embd);
-    let mut logits = vec![0.0f32; LOGIT_ROWS * n_vocab];
-    let mut head = MatmulScratch::default();
-    let mut order: Vec<u32> = Vec::new();
-    let mut scored = Vec::new();
+    let mut scorer = Scorer {
+        base,
+        keep_top,
+        logits: vec![0.0f32; LOGIT_ROWS * n_vocab],
+        head: MatmulScratch::default(),
+        order: Vec::new(),
+        scored: Vec::new(),
+    };
     let mut evaluated = 0;
+    // Batches run up to `batched`; decoding steps from there on.
+    let batched = match windows.scoring {
+        Scoring::Batched => n_ctx,
+        Scoring::Decoded => first_scored,
+    };
 
     for window in 0..n_windows {
         let text = &tokens[window * step..][..n_ctx];
         session.reset();
         let mut batch_tokens = Vec::with_capacity(session.batch());
-        for start in (0..n_ctx).step_by(session.batch()) {
-            let end = (start + session.batch()).min(n_ctx);
+        for start in (0..batched).step_by(session.batch()) {
+            let end = (start + session.batch()).min(batched);
             batch_tokens.clear();
             batch_tokens.extend_from_slice(&text[start..end]);
             if start == 0 {
@@ -142,30 +165,71 @@ pub fn evaluate(
                 let group = group..(group + LOGIT_ROWS).min(rows.end);
                 let n = group.len();
                 let h = &hidden[(group.start - start) * n_embd..(group.end - start) * n_embd];
-                model.logits(h, &mut logits[..n * n_vocab], &mut head);
-                for (k, row) in group.zip(logits.chunks_exact(n_vocab)) {
-                    let lse = log_sum_exp(row);
-                    let target = text[k + 1];
-                    let kl = match base {
-                        Some(base) => {
-                            let b = base.get(scored.len()).filter(|b| b.target == target);
-                            Some(compare(b.ok_or(PerplexityError::BaseMismatch)?, row, lse))
-                        }
-                        None => None,
-                    };
-                    scored.push(Scored {
-                        target,
-                        log_prob: log_prob(row, target, lse),
-                        top: top_tokens(row, lse, keep_top, &mut order),
-                        kl,
-                    });
+                model.logits(h, &mut scorer.logits[..n * n_vocab], &mut scorer.head);
+                for (i, k) in group.enumerate() {
+                    scorer.score(i, n_vocab, text[k + 1])?;
                 }
             }
             evaluated += end - start;
-            progress(evaluated);
+            progress(&Progress { evaluated, window, session });
+        }
+        // The last token predicts nothing, and is not run.
+        for k in batched..n_ctx - 1 {
+            let logits = session.decode(text[k])?;
+            scorer.logits[..n_vocab].copy_from_slice(logits);
+            scorer.score(0, n_vocab, text[k + 1])?;
+            evaluated += 1;
+            progress(&Progress { evaluated, window, session });
+        }
+        if batched < n_ctx {
+            // The last token, which predicts nothing, is counted but not run.
+            evaluated += 1;
         }
     }
-    Ok(Evaluation { windows: n_windows, scored })
+    Ok(Evaluation { windows: n_windows, scored: scorer.scored })
+}
+
+/// Where an evaluation stands, after a forward call.
+pub struct Progress<'s, 'm> {
+    /// Tokens evaluated so far, all windows together.
+    pub evaluated: usize,
+    /// The window being evaluated, from 0.
+    pub window: usize,
+    /// The session, whose records are the call's.
+    pub session: &'s Session<'m>,
+}
+
+/// What scores the positions of a run, and the buffers it needs.
+struct Scorer<'a> {
+    base: Option<&'a [Scored]>,
+    keep_top: usize,
+    /// Rows of logits, [`LOGIT_ROWS`] at most.
+    logits: Vec<f32>,
+    head: MatmulScratch,
+    order: Vec<u32>,
+    scored: Vec<Scored>,
+}
+
+impl Scorer<'_> {
+    /// Scores row `i` of the logits, whose next token is `target`.
+    fn score(&mut self, i: usize, n_vocab: usize, target: u32) -> Result<(), PerplexityError> {
+        let row = &self.logits[i * n_vocab..][..n_vocab];
+        let lse = log_sum_exp(row);
+        let kl = match self.base {
+            Some(base) => {
+                let b = base.get(self.scored.len()).filter(|b| b.target == target);
+                Some(compare(b.ok_or(PerplexityError::BaseMismatch)?, row, lse))
+            }
+            None => None,
+        };
+        self.scored.push(Scored {
+            target,
+            log_prob: log_prob(row, target, lse),
+            top: top_tokens(row, lse, self.keep_top, &mut self.order),
+            kl,
+        });
+        Ok(())
+    }
 }
 
 /// The tokens [`evaluate`] will run `tokens` through, all windows together.

@@ -39,6 +39,10 @@ impl Sampler {
         Self { params, rng, recent: VecDeque::new(), candidates: Vec::new() }
     }
 
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
     /// Records a token (prompt or generated) for the repetition penalty.
     pub fn accept(&mut self, token: u32) {
         if self.params.repeat_last_n == 0 {

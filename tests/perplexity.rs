@@ -32,7 +32,7 @@ fn kl_divergence_between_cache_modes() {
     let tokenizer = Tokenizer::from_gguf(&file).unwrap();
     let model = Model::load(&file).unwrap();
     let tokens = tokenizer.encode(&text(), true, false).unwrap();
-    let windows = Windows { max: Some(2), stride: None };
+    let windows = Windows { max: Some(2), ..Windows::default() };
     let run = |mode, keep_top, base: Option<&[Scored]>| {
         let mut session = Session::with_cache(&model, 512, 64, Storage { mode, ..Storage::default() });
         evaluate(&mut session, &tokens, tokenizer.bos(), windows, keep_top, base, |_| {}).unwrap()

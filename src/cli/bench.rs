@@ -3,17 +3,21 @@
 //! steps, after a context of `depth` tokens has been prefilled (untimed).
 //! Each test runs once to warm up, then `reps` timed times; tokens are drawn
 //! at random from the vocabulary, after a BOS. Every test runs with each KV
-//! cache mode asked for, and the table says what each mode stores per token.
+//! cache mode and each attention policy asked for; the table says what each
+//! mode stores per token, and, for generation, how many keys and bytes the
+//! attention of a decoding step read (all layers and heads together).
 
 use std::time::Instant;
 
 use clap::Args;
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use sift::attn::AttentionKind;
 use sift::engine::{Session, DEFAULT_BATCH};
 use sift::kv::{KvMode, Storage};
 use sift::model::Model;
 
+use super::attn::PolicyArgs;
 use super::ModelArgs;
 
 #[derive(Args)]
@@ -35,28 +39,57 @@ pub struct BenchArgs {
     /// KV cache modes to test, comma-separated (f16, q8, q4, q2)
     #[arg(long = "kv-cache", env = "SIFT_KV_CACHE", value_delimiter = ',', default_value = "f16")]
     kv_caches: Vec<KvMode>,
-    /// Print JSON rows {test, kv_cache, kv_bytes_per_token, tokens_per_s, stddev, median} instead of a table
+    /// Attention policies to test, comma-separated (dense, certified, topk); see `sift run --help`
+    #[arg(long = "attn", value_delimiter = ',', default_value = "dense")]
+    attns: Vec<AttentionKind>,
+    #[command(flatten)]
+    policy: PolicyArgs,
+    /// Dot f32 activations with weights dequantized to f32 instead of 8-bit activations
+    #[arg(long)]
+    f32_activations: bool,
+    /// Print JSON rows {test, kv_cache, attn, kv_bytes_per_token, keys_per_step, bytes_per_step,
+    /// tokens_per_s, stddev, median, samples} instead of a table
     #[arg(long)]
     json: bool,
 }
+
+/// The seed of certified attention's perturbations in every test.
+const PERTURBATION_SEED: u64 = 0;
 
 #[derive(serde::Serialize)]
 struct Row {
     test: String,
     kv_cache: String,
+    attn: AttentionKind,
     kv_bytes_per_token: f64,
+    /// Generation only: keys and cache bytes the attention of one decoding
+    /// step read, all layers and heads together, over the last run's steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    keys_per_step: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes_per_step: Option<f64>,
     tokens_per_s: f64,
     stddev: f64,
     median: f64,
     samples: Vec<f64>,
 }
 
+/// Keys and bytes read by the decoding steps of a run.
+#[derive(Default, Clone, Copy)]
+struct Reads {
+    steps: usize,
+    keys: f64,
+    bytes: f64,
+}
+
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.reps == 0 {
         return Err(super::Usage("-r must be at least 1".into()).into());
     }
+    args.policy.check()?;
     let file = args.model.open()?;
     let model = Model::load(&file)?;
+    sift::matmul::set_f32_activations(args.f32_activations);
     let bos = sift::tokenizer::Tokenizer::from_gguf(&file)?.bos();
     let mut rng = StdRng::seed_from_u64(1234);
     let n_vocab = model.hp.n_vocab as u32;
@@ -65,17 +98,25 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
 
     let mut rows = Vec::new();
-    for &mode in &args.kv_caches {
+    for (&mode, &attn) in args.kv_caches.iter().flat_map(|m| args.attns.iter().map(move |a| (m, a))) {
         let storage = Storage { mode, ..Storage::default() };
         let per_token = model.cache_shape().bytes_per_token(mode);
-        let session = |n_ctx| Session::with_cache(&model, n_ctx, DEFAULT_BATCH, storage);
+        let session = |n_ctx| -> anyhow::Result<Session> {
+            let policy = args.policy.policy(attn, PERTURBATION_SEED, false)?;
+            Ok(Session::with_policy(&model, n_ctx, DEFAULT_BATCH, storage, policy))
+        };
+        let row = |test: String, samples, reads: Option<Reads>| Row {
+            keys_per_step: reads.map(|r| r.keys / r.steps.max(1) as f64),
+            bytes_per_step: reads.map(|r| r.bytes / r.steps.max(1) as f64),
+            ..row(test, mode, attn, per_token, samples)
+        };
         for &depth in &args.depths {
             let suffix = if depth > 0 { format!(" @ d{depth}") } else { String::new() };
             for &p in args.prompts.iter().filter(|&&p| p > 0) {
                 let context = random_tokens(depth);
                 let prompt = random_tokens(p);
                 let samples = measure(args.reps, p, || {
-                    let mut session = session(depth + p);
+                    let mut session = session(depth + p)?;
                     if depth > 0 {
                         session.prefill(&context)?;
                     }
@@ -83,21 +124,27 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     session.prefill(&prompt)?;
                     Ok(t.elapsed().as_secs_f64())
                 })?;
-                rows.push(row(format!("pp{p}{suffix}"), mode, per_token, samples));
+                rows.push(row(format!("pp{p}{suffix}"), samples, None));
             }
             for &n in args.gens.iter().filter(|&&n| n > 0) {
                 let context = random_tokens(depth.max(1));
                 let steps = random_tokens(n);
+                let mut reads = Reads::default();
                 let samples = measure(args.reps, n, || {
-                    let mut session = session(depth + n + 1);
+                    let mut session = session(depth + n + 1)?;
                     session.prefill(&context)?;
+                    reads = Reads::default();
                     let t = Instant::now();
                     for &token in &steps {
                         session.decode(token)?;
+                        let records = session.last_records();
+                        reads.steps += 1;
+                        reads.keys += records.iter().map(|r| r.keys_read as f64).sum::<f64>();
+                        reads.bytes += records.iter().map(|r| r.bytes_read).sum::<f64>();
                     }
                     Ok(t.elapsed().as_secs_f64())
                 })?;
-                rows.push(row(format!("tg{n}{suffix}"), mode, per_token, samples));
+                rows.push(row(format!("tg{n}{suffix}"), samples, Some(reads)));
             }
         }
     }
@@ -109,18 +156,24 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let gib = file.tensors().iter().map(|t| t.n_bytes).sum::<usize>() as f64 / (1u64 << 30) as f64;
-    println!("| model | size | threads | isa | kv cache | KV B/token | test | t/s | median |");
-    println!("| --- | ---: | ---: | --- | --- | ---: | --- | ---: | ---: |");
+    println!(
+        "| model | size | threads | isa | kv cache | attn | KV B/token | test | keys/step | MiB/step | t/s | median |"
+    );
+    println!("| --- | ---: | ---: | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |");
+    let or_dash = |x: Option<String>| x.unwrap_or_else(|| "-".into());
     for r in &rows {
         println!(
-            "| {} {} | {gib:.2} GiB | {} | {} | {} | {:.0} | {} | {:.2} ± {:.2} | {:.2} |",
+            "| {} {} | {gib:.2} GiB | {} | {} | {} | {} | {:.0} | {} | {} | {} | {:.2} ± {:.2} | {:.2} |",
             model.hp.arch.gguf_name(),
             model.hp.name,
             rayon::current_num_threads(),
             simd::kernels().isa(),
             r.kv_cache,
+            r.attn,
             r.kv_bytes_per_token,
             r.test,
+            or_dash(r.keys_per_step.map(|k| format!("{k:.0}"))),
+            or_dash(r.bytes_per_step.map(|b| format!("{:.2}", b / (1u64 << 20) as f64))),
             r.tokens_per_s,
             r.stddev,
             r.median
@@ -135,7 +188,7 @@ fn measure(reps: usize, tokens: usize, mut run: impl FnMut() -> anyhow::Result<f
     (0..reps).map(|_| run().map(|secs| tokens as f64 / secs)).collect()
 }
 
-fn row(test: String, mode: KvMode, kv_bytes_per_token: f64, samples: Vec<f64>) -> Row {
+fn row(test: String, mode: KvMode, attn: AttentionKind, kv_bytes_per_token: f64, samples: Vec<f64>) -> Row {
     let n = samples.len() as f64;
     let mean = samples.iter().sum::<f64>() / n;
     let var = samples.iter().map(|s| (s - mean) * (s - mean)).sum::<f64>() / (n - 1.0).max(1.0);
@@ -146,11 +199,14 @@ fn row(test: String, mode: KvMode, kv_bytes_per_token: f64, samples: Vec<f64>) -
     } else {
         (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]) / 2.0
     };
-    eprintln!("sift: {test} ({mode}): {mean:.2} t/s (median {median:.2})");
+    eprintln!("sift: {test} ({mode}, {attn}): {mean:.2} t/s (median {median:.2})");
     Row {
         test,
         kv_cache: mode.to_string(),
+        attn,
         kv_bytes_per_token,
+        keys_per_step: None,
+        bytes_per_step: None,
         tokens_per_s: mean,
         stddev: var.sqrt(),
         median,

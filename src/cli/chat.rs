@@ -1,10 +1,10 @@
 //! `sift chat`: a conversation with the model.
 //!
-//! Every turn renders the whole conversation with the chat template, but only the tokens that the
-//! KV cache does not hold yet are prefilled: the cache keeps the earlier turns. That works while
-//! the rendered history tokenizes as it did when it went into the cache; when it does not (the
-//! template trims a reply, `/system` changed the first turn), the conversation is prefilled anew
-//! and `/stats` counts it.
+//! Every turn renders the whole conversation with the chat template, and the library's
+//! [`Conversation`] prefills only the tokens that the KV cache does not hold yet: the cache keeps
+//! the earlier turns. When the rendered history no longer tokenizes as it went into the cache
+//! (the template trims a reply, `/system` changed the first turn), the conversation is prefilled
+//! anew and `/stats` counts it.
 //!
 //! On a terminal, lines are edited with history, and Ctrl-C stops a reply but not the session.
 //! With standard input piped, every line is a message (or a command) and every reply is printed
@@ -18,17 +18,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::Context;
 use clap::Args;
 use rustyline::error::ReadlineError;
-use sift::audit::{AuditError, AuditHeader, AuditLog, AuditSummary, ReplySummary};
-use sift::chat::{self, ChatTemplate, Message, Origin};
-use sift::engine::{EngineError, Session, DEFAULT_BATCH};
-use sift::generate::{generate, Generated, Limits, Sampled, StopReason};
-use sift::kv::Storage;
+use sift::audit::{audit_token, AuditError, AuditHeader, AuditLog, AuditSummary, ReplySummary};
+use sift::chat::{ChatTemplate, Message};
+use sift::conversation::{chat_prompt, Conversation, Stats};
+use sift::generate::{Generated, Limits, Sampled, StopReason};
 use sift::model::Model;
-use sift::sample::{Sampler, SamplingParams};
 use sift::tokenizer::Tokenizer;
 
-use super::run::{audit_token, GenerationArgs};
-use super::{context_size, InputError, ModelArgs, Usage};
+use super::{announce_template, context_size, AuditArgs, GenerationArgs, InputError, ModelArgs, Usage};
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -48,6 +45,8 @@ pub struct ChatArgs {
     quiet: bool,
     #[command(flatten)]
     generation: GenerationArgs,
+    #[command(flatten)]
+    audit: AuditArgs,
 }
 
 const HELP: &str = "\
@@ -65,17 +64,26 @@ const HELP: &str = "\
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
-    // First, so that an audit that cannot be written costs no model load.
-    let mut audit = args.generation.audit_out.as_deref().map(AuditLog::create).transpose()?;
+    // The sampling seed draws certified attention's perturbations too.
+    let sampling = args.generation.sampling();
+    let policy = args.generation.attention.policy(sampling.seed, args.audit.audit)?;
+    let mut audit = args.audit.create()?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
-    let sampling = args.generation.sampling();
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
-        audit.header(&AuditHeader::new(file.path(), model.hp.arch.gguf_name(), kv_cache, n_ctx, &sampling, None))?;
+        audit.header(&AuditHeader::new(
+            file.path(),
+            model.hp.arch.gguf_name(),
+            kv_cache,
+            args.generation.attention.kind,
+            n_ctx,
+            Some(&sampling),
+            None,
+        ))?;
     }
     if !args.quiet {
         eprintln!(
@@ -88,14 +96,16 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     }
     let storage = args.generation.cache.storage();
     let mut chat = Chat {
-        conversation: Conversation::new(&model, &tokenizer, template, n_ctx, storage, sampling),
+        conversation: Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling),
+        template,
+        messages: Vec::new(),
         max_tokens: args.n_predict,
         quiet: args.quiet,
         audit,
         turns: 0,
         tokens: 0,
     };
-    chat.conversation.set_system(args.system);
+    chat.set_system(args.system);
     if std::io::stdin().is_terminal() {
         chat.interactive()?;
     } else {
@@ -107,60 +117,25 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Says on stderr which template is in use when it is not the model's own.
-pub fn announce_template(template: &ChatTemplate) {
-    match template.origin() {
-        Origin::Model => {}
-        Origin::File(path) => eprintln!("sift: chat template from {}", path.display()),
-        Origin::BuiltIn(built_in) => {
-            eprintln!("sift: the model file has no chat template; using the built-in {} template", built_in.name())
-        }
-    }
-}
-
-/// The conversation and what the KV cache holds of it.
-struct Conversation<'a> {
-    session: Session<'a>,
-    tokenizer: &'a Tokenizer,
+/// The conversation, and how it talks to the user.
+struct Chat<'a> {
+    conversation: Conversation<'a>,
     template: ChatTemplate,
-    sampling: SamplingParams,
-    sampler: Sampler,
     messages: Vec<Message>,
-    /// The tokens in the KV cache, in order.
-    cached: Vec<u32>,
-    stats: Stats,
+    max_tokens: usize,
+    quiet: bool,
+    audit: Option<AuditLog>,
+    /// Replies generated, and their tokens, for the audit.
+    turns: usize,
+    tokens: usize,
 }
 
-#[derive(Default)]
-struct Stats {
-    /// Prompt tokens prefilled for each turn (a `/load` counts as one).
-    prefilled: Vec<usize>,
-    /// Turns whose history no longer tokenized as the cache holds it, and so were prefilled again.
-    re_prefills: usize,
-    last_reply: Option<Generated>,
+enum Flow {
+    Continue,
+    Exit,
 }
 
-impl<'a> Conversation<'a> {
-    fn new(
-        model: &'a Model<'a>,
-        tokenizer: &'a Tokenizer,
-        template: ChatTemplate,
-        n_ctx: usize,
-        storage: Storage,
-        sampling: SamplingParams,
-    ) -> Self {
-        Self {
-            session: Session::with_cache(model, n_ctx, DEFAULT_BATCH, storage),
-            tokenizer,
-            template,
-            sampler: Sampler::new(sampling.clone()),
-            sampling,
-            messages: Vec::new(),
-            cached: Vec::new(),
-            stats: Stats::default(),
-        }
-    }
-
+impl Chat<'_> {
     /// Adds the user's message and generates the reply, streaming it to `on_text` and showing
     /// every token sampled to `on_token`.
     fn reply(
@@ -171,55 +146,18 @@ impl<'a> Conversation<'a> {
         on_token: impl FnMut(&Sampled) -> ControlFlow<()>,
     ) -> anyhow::Result<Generated> {
         self.messages.push(Message::user(text));
-        let generated = self.generate_reply(limits, on_text, on_token);
-        if generated.is_err() {
-            self.messages.pop();
+        let generated = chat_prompt(self.conversation.tokenizer(), &self.template, &self.messages, true)
+            .and_then(|ids| Ok(self.conversation.generate(&ids, limits, on_text, on_token)?));
+        match generated {
+            Ok(generated) => {
+                self.messages.push(Message::assistant(&generated.text));
+                Ok(generated)
+            }
+            Err(e) => {
+                self.messages.pop();
+                Err(e.into())
+            }
         }
-        generated
-    }
-
-    fn generate_reply(
-        &mut self,
-        limits: Limits,
-        on_text: impl FnMut(&str),
-        on_token: impl FnMut(&Sampled) -> ControlFlow<()>,
-    ) -> anyhow::Result<Generated> {
-        let ids = chat::encode(self.tokenizer, &self.template.render(&self.messages, true)?)?;
-        let start = self.reuse_cache(&ids)?;
-        let prompt = &ids[start..];
-        let generated =
-            generate(&mut self.session, self.tokenizer, &mut self.sampler, prompt, limits, on_text, on_token)?;
-        self.cached = ids;
-        self.cached.extend(&generated.tokens);
-        // The last token sampled is decoded only if generation goes on.
-        self.cached.truncate(self.session.n_past());
-        self.messages.push(Message::assistant(&generated.text));
-        self.stats.prefilled.push(generated.prompt_tokens);
-        Ok(self.stats.last_reply.insert(generated).clone())
-    }
-
-    /// How many of `ids`, the rendered conversation, the cache already holds. A cache that holds
-    /// anything but a prefix of them is emptied.
-    fn reuse_cache(&mut self, ids: &[u32]) -> Result<usize, EngineError> {
-        let n_ctx = self.session.n_ctx();
-        if ids.len() > n_ctx {
-            return Err(if self.cached.is_empty() {
-                EngineError::PromptTooLong { prompt: ids.len(), n_ctx }
-            } else {
-                EngineError::ContextFull { n_ctx }
-            });
-        }
-        if ids.starts_with(&self.cached) {
-            return Ok(self.cached.len());
-        }
-        self.stats.re_prefills += 1;
-        self.clear_cache();
-        Ok(0)
-    }
-
-    fn clear_cache(&mut self) {
-        self.session.reset();
-        self.cached.clear();
     }
 
     /// Replaces the system prompt, or removes it. The cache notices at the next turn.
@@ -235,34 +173,21 @@ impl<'a> Conversation<'a> {
     /// Forgets everything but the system prompt.
     fn reset(&mut self) {
         self.messages.retain(|m| m.role == "system");
-        self.clear_cache();
-        self.sampler = Sampler::new(self.sampling.clone());
-        self.stats = Stats::default();
+        self.conversation.reset();
     }
 
     /// Replaces the conversation with `messages` and prefills it.
     fn load(&mut self, messages: Vec<Message>) -> anyhow::Result<()> {
-        let ids = chat::encode(self.tokenizer, &self.template.render(&messages, false)?)?;
-        let n_ctx = self.session.n_ctx();
-        if ids.len() > n_ctx {
-            return Err(EngineError::PromptTooLong { prompt: ids.len(), n_ctx }.into());
-        }
-        self.reset();
-        if !ids.is_empty() {
-            self.session.prefill(&ids)?;
-        }
-        for &id in &ids {
-            self.sampler.accept(id);
-        }
-        self.stats.prefilled.push(ids.len());
-        self.cached = ids;
+        let ids = chat_prompt(self.conversation.tokenizer(), &self.template, &messages, false)?;
+        self.conversation.prefill(&ids)?;
         self.messages = messages;
         Ok(())
     }
 
     fn stats(&self) -> String {
-        let Stats { prefilled, re_prefills, last_reply } = &self.stats;
-        let (n_past, n_ctx) = (self.session.n_past(), self.session.n_ctx());
+        let Stats { prefilled, re_prefills, last_reply } = self.conversation.stats();
+        let session = self.conversation.session();
+        let (n_past, n_ctx) = (session.n_past(), session.n_ctx());
         let mut text = format!(
             "prompt tokens prefilled: {} in all; per turn: {prefilled:?}; re-prefills: {re_prefills}\n\
              cache: {n_past} of {n_ctx} tokens ({:.1}%)\n",
@@ -270,36 +195,17 @@ impl<'a> Conversation<'a> {
             100.0 * n_past as f64 / n_ctx as f64,
         );
         if let Some(last) = last_reply {
-            let per_s = |n: usize, d: std::time::Duration| if d.is_zero() { 0.0 } else { n as f64 / d.as_secs_f64() };
             text += &format!(
                 "last reply: prefill {} tokens at {:.1} tok/s, decode {} tokens at {:.1} tok/s\n",
                 last.prompt_tokens,
-                per_s(last.prompt_tokens, last.prefill_time),
+                last.prefill_tok_s(),
                 last.decode_steps,
-                per_s(last.decode_steps, last.decode_time),
+                last.decode_tok_s(),
             );
         }
         text
     }
-}
 
-/// The conversation, and how it talks to the user.
-struct Chat<'a> {
-    conversation: Conversation<'a>,
-    max_tokens: usize,
-    quiet: bool,
-    audit: Option<AuditLog>,
-    /// Replies generated, and their tokens, for the audit.
-    turns: usize,
-    tokens: usize,
-}
-
-enum Flow {
-    Continue,
-    Exit,
-}
-
-impl Chat<'_> {
     fn interactive(&mut self) -> anyhow::Result<()> {
         ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::Relaxed)).context("installing the Ctrl-C handler")?;
         let mut editor = rustyline::DefaultEditor::new().context("starting the line editor")?;
@@ -366,29 +272,28 @@ impl Chat<'_> {
         match name {
             "help" => print!("{HELP}"),
             "reset" => {
-                self.conversation.reset();
+                self.reset();
                 self.info("conversation cleared");
             }
             "system" => {
                 let text = Some(argument.to_string()).filter(|text| !text.is_empty());
                 self.info(if text.is_some() { "system prompt set" } else { "system prompt removed" });
-                self.conversation.set_system(text);
+                self.set_system(text);
             }
             "save" => {
                 let path = file()?;
-                let json = serde_json::json!({ "messages": self.conversation.messages });
-                std::fs::write(path, format!("{json:#}\n"))
-                    .with_context(|| format!("cannot write {}", path.display()))?;
-                self.info(&format!("saved {} messages to {}", self.conversation.messages.len(), path.display()));
+                let saved = serde_json::to_string_pretty(&Saved { messages: self.messages.clone() })?;
+                std::fs::write(path, saved + "\n").with_context(|| format!("cannot write {}", path.display()))?;
+                self.info(&format!("saved {} messages to {}", self.messages.len(), path.display()));
             }
             "load" => {
                 let path = file()?;
-                self.conversation.load(read_conversation(path)?)?;
-                self.info(&format!("loaded {} messages from {}", self.conversation.messages.len(), path.display()));
+                self.load(read_conversation(path)?)?;
+                self.info(&format!("loaded {} messages from {}", self.messages.len(), path.display()));
             }
-            "stats" => print!("{}", self.conversation.stats()),
+            "stats" => print!("{}", self.stats()),
             "prompt" => {
-                let text = self.conversation.template.render(&self.conversation.messages, false)?;
+                let text = self.template.render(&self.messages, false)?;
                 print!("{text}");
                 if !text.ends_with('\n') {
                     println!();
@@ -412,10 +317,13 @@ impl Chat<'_> {
         };
         let turn = self.turns + 1;
         let mut audit_failure = None;
-        let tokenizer = self.conversation.tokenizer;
+        let tokenizer = self.conversation.tokenizer();
+        let mut audit = self.audit.take();
         let on_token =
-            |sampled: &Sampled| audit_token(self.audit.as_mut(), &mut audit_failure, sampled, tokenizer, Some(turn));
-        let generated = self.conversation.reply(text, limits, on_text, on_token)?;
+            |sampled: &Sampled| audit_token(audit.as_mut(), &mut audit_failure, sampled, tokenizer, Some(turn));
+        let generated = self.reply(text, limits, on_text, on_token);
+        self.audit = audit;
+        let generated = generated?;
         if let Some(e) = audit_failure {
             return Err(e.into());
         }
@@ -434,7 +342,7 @@ impl Chat<'_> {
         match generated.stop {
             StopReason::Interrupted => eprintln!("sift: reply interrupted"),
             StopReason::ContextFull => {
-                let n_ctx = self.conversation.session.n_ctx();
+                let n_ctx = self.conversation.session().n_ctx();
                 eprintln!("sift: the context of {n_ctx} tokens is full; /reset starts over (a larger -c holds more)");
             }
             _ => {}
@@ -450,11 +358,12 @@ impl Chat<'_> {
 }
 
 /// A conversation as `/save` writes it: `{"messages": [{"role": …, "content": …}, …]}`.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Saved {
+    messages: Vec<Message>,
+}
+
 fn read_conversation(path: &Path) -> anyhow::Result<Vec<Message>> {
-    #[derive(serde::Deserialize)]
-    struct Saved {
-        messages: Vec<Message>,
-    }
     let text = std::fs::read_to_string(path).map_err(|e| InputError(format!("cannot read {}: {e}", path.display())))?;
     let saved: Saved = serde_json::from_str(&text)
         .map_err(|e| InputError(format!("{} is not a saved conversation: {e}", path.display())))?;

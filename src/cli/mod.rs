@@ -1,11 +1,13 @@
 //! Subcommands and what they share: finding and opening the model, threads,
 //! exit codes.
 
+mod attn;
 mod bench;
 mod chat;
 mod inspect;
 mod perplexity;
 mod run;
+mod serve;
 mod tokenize;
 
 use std::io::Read;
@@ -13,13 +15,18 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::{Args, CommandFactory, Parser, Subcommand};
-use sift::chat::ChatError;
+use sift::audit::{AuditError, AuditLog};
+use sift::chat::{ChatError, ChatTemplate, Origin};
+use sift::conversation::ConversationError;
 use sift::engine::EngineError;
 use sift::gguf::{GgufError, GgufFile, Residence};
 use sift::kv::{KvMode, Storage};
 use sift::model::ModelError;
 use sift::perplexity::PerplexityError;
+use sift::sample::SamplingParams;
 use sift::tokenizer::TokenizerError;
+
+use attn::AttentionArgs;
 
 pub const EXIT_USAGE: u8 = 1;
 pub const EXIT_MODEL: u8 = 2;
@@ -50,6 +57,8 @@ enum Command {
     Run(run::RunArgs),
     /// Talk with the model in turns, with its chat template; piped input is one message a line.
     Chat(chat::ChatArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API, with a chat page at /.
+    Serve(serve::ServeArgs),
     /// Measure perplexity of a text file, as llama-perplexity does.
     Perplexity(perplexity::PerplexityArgs),
     /// Print the token ids of a text.
@@ -135,10 +144,92 @@ impl CacheArgs {
     }
 }
 
+/// Context size, sampling and the cache: how every conversational command generates.
+#[derive(Args)]
+pub struct GenerationArgs {
+    /// Context size in tokens [default: 4096, or the model's if smaller]
+    #[arg(short = 'c', long = "ctx-size")]
+    pub ctx: Option<usize>,
+    /// Sampling temperature; 0 is greedy
+    #[arg(long = "temp", default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0: all)
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the most likely tokens up to this cumulative probability
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than this fraction of the most likely one
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalise tokens seen in the last 64 (1.0: off)
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Random seed [default: from the clock]
+    #[arg(long)]
+    pub seed: Option<u64>,
+    #[command(flatten)]
+    pub cache: CacheArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
+}
+
+/// `--audit-out`, for `run` and `chat`.
+#[derive(Args)]
+pub struct AuditArgs {
+    /// Write an audit of the generation to FILE, as JSON Lines: a header (model, cache,
+    /// attention, context, sampling), per token its log-probability, the 5 most likely tokens and
+    /// the attention's error bound, and a summary. A regular FILE appears only once complete
+    #[arg(long, value_name = "FILE")]
+    pub audit_out: Option<PathBuf>,
+    /// Compute exact attention beside the policy at every decoding step and add an `attention`
+    /// line per layer and query head checked to the audit: keys and bytes read, the error on the
+    /// --measure scale, the certificate's bound, whether it was violated
+    #[arg(long, requires = "audit_out")]
+    pub audit: bool,
+}
+
+impl AuditArgs {
+    /// Opens the audit file, if one is asked for: first, so that an audit that cannot be
+    /// written costs no model load or generation.
+    pub fn create(&self) -> Result<Option<AuditLog>, AuditError> {
+        self.audit_out.as_deref().map(AuditLog::create).transpose()
+    }
+}
+
+impl GenerationArgs {
+    pub fn sampling(&self) -> SamplingParams {
+        let seed = self.seed.unwrap_or_else(|| {
+            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+        });
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            seed,
+            ..SamplingParams::default()
+        }
+    }
+}
+
+/// Says on stderr which template is in use when it is not the model's own.
+pub fn announce_template(template: &ChatTemplate) {
+    match template.origin() {
+        Origin::Model => {}
+        Origin::File(path) => eprintln!("sift: chat template from {}", path.display()),
+        Origin::BuiltIn(built_in) => {
+            eprintln!("sift: the model file has no chat template; using the built-in {} template", built_in.name())
+        }
+    }
+}
+
 pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(args) => run::run(args),
         Command::Chat(args) => chat::run(args),
+        Command::Serve(args) => serve::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
         Command::Inspect(args) => inspect::run(args),
@@ -183,29 +274,38 @@ pub struct Usage(pub String);
 pub struct InputError(pub String);
 
 pub fn exit_code(e: &anyhow::Error) -> u8 {
-    for cause in e.chain() {
-        if cause.is::<Usage>() {
-            return EXIT_USAGE;
-        }
-        if cause.is::<GgufError>()
-            || cause.is::<ModelError>()
-            || cause.is::<TokenizerError>()
-            || cause.is::<InputError>()
-            || cause.is::<ChatError>()
-        {
-            return EXIT_MODEL;
-        }
-        if let Some(EngineError::PromptTooLong { .. } | EngineError::ContextFull { .. }) = cause.downcast_ref() {
-            return EXIT_CONTEXT;
-        }
-        match cause.downcast_ref() {
-            Some(PerplexityError::TooShort { .. }) => return EXIT_CONTEXT,
-            Some(PerplexityError::Stride { .. }) => return EXIT_USAGE,
-            Some(PerplexityError::BaseFile { .. } | PerplexityError::BaseMismatch) => return EXIT_MODEL,
-            _ => {}
-        }
+    e.chain().find_map(cause_code).unwrap_or(EXIT_OTHER)
+}
+
+/// The exit code one cause in an error's chain calls for, if it is one sift knows.
+fn cause_code(cause: &(dyn std::error::Error + 'static)) -> Option<u8> {
+    if let Some(e) = cause.downcast_ref::<ConversationError>() {
+        return match e {
+            ConversationError::Template(e) => cause_code(e),
+            ConversationError::Tokenizer(e) => cause_code(e),
+            ConversationError::Engine(e) => cause_code(e),
+        };
     }
-    EXIT_OTHER
+    if cause.is::<Usage>() {
+        return Some(EXIT_USAGE);
+    }
+    if cause.is::<GgufError>()
+        || cause.is::<ModelError>()
+        || cause.is::<TokenizerError>()
+        || cause.is::<InputError>()
+        || cause.is::<ChatError>()
+    {
+        return Some(EXIT_MODEL);
+    }
+    if let Some(EngineError::PromptTooLong { .. } | EngineError::ContextFull { .. }) = cause.downcast_ref() {
+        return Some(EXIT_CONTEXT);
+    }
+    match cause.downcast_ref() {
+        Some(PerplexityError::TooShort { .. }) => Some(EXIT_CONTEXT),
+        Some(PerplexityError::Stride { .. }) => Some(EXIT_USAGE),
+        Some(PerplexityError::BaseFile { .. } | PerplexityError::BaseMismatch) => Some(EXIT_MODEL),
+        _ => None,
+    }
 }
 
 /// The context size to use: as asked, else 4096 capped by the model's

@@ -1,5 +1,7 @@
-//! `sift perplexity`: llama-perplexity's measurement on text files, and the
-//! KL divergence of one KV cache mode's predictions from another's.
+//! `sift perplexity`: llama-perplexity's measurement on text files, the KL
+//! divergence of one run's predictions from another's (KV cache modes,
+//! attention policies), and the audit of a sparse attention policy against
+//! exact attention over the scored tokens.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
@@ -7,11 +9,15 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use sift::attn::audit::AuditTable;
+use sift::attn::{AttentionKind, HeadRecord};
+use sift::audit::{AttentionRow, AuditHeader, AuditLog, AuditSummary};
 use sift::engine::{Session, DEFAULT_BATCH};
 use sift::model::Model;
-use sift::perplexity::{self, evaluate, Evaluation, KlReport, PerplexityReport, Windows, TOP_K};
+use sift::perplexity::{self, evaluate, Evaluation, KlReport, PerplexityReport, Progress, Scoring, Windows, TOP_K};
 use sift::tokenizer::Tokenizer;
 
+use super::attn::AttentionArgs;
 use super::{CacheArgs, InputError, ModelArgs, Usage};
 
 #[derive(Args)]
@@ -49,6 +55,21 @@ pub struct PerplexityArgs {
     /// any change upstream re-draws, the noise floor of --kl-divergence between cache modes
     #[arg(long)]
     f32_activations: bool,
+    #[command(flatten)]
+    attention: AttentionArgs,
+    /// Compute exact attention beside the policy at every scored token and end with a table:
+    /// head calls checked, certified and fallback shares, keys read (mean, p90) as a share of the
+    /// visible positions, bytes read against dense attention's, error p50/p90/max in units of
+    /// --eps, violations. Scores through decoding steps even with --attn dense
+    #[arg(long)]
+    audit: bool,
+    /// Write every head call the audit checked to FILE as JSON Lines (`attention` lines between a
+    /// header and a summary, the format of `sift run --audit-out`); implies --audit
+    #[arg(long, value_name = "FILE")]
+    audit_out: Option<PathBuf>,
+    /// Seed of certified attention's perturbations
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 /// One file's results.
@@ -65,6 +86,10 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     if args.ctx < 2 {
         return Err(anyhow::Error::new(Usage("-c must be at least 2 for perplexity".into())));
     }
+    // First, so that bad settings or an audit that cannot be written cost no model load.
+    let audited = args.audit || args.audit_out.is_some();
+    let policy = args.attention.policy(args.seed, audited)?;
+    let mut audit_log = args.audit_out.as_deref().map(AuditLog::create).transpose()?;
     let paths = text_files(&args.files)?;
     let texts = paths.iter().map(|p| read_text(p)).collect::<anyhow::Result<Vec<_>>>()?;
     let file = args.model.open()?;
@@ -72,7 +97,10 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let model = Model::load(&file)?;
     sift::matmul::set_f32_activations(args.f32_activations);
     let bos = tokenizer.bos().filter(|_| tokenizer.adds_bos());
-    let windows = Windows { max: args.chunks, stride: args.stride };
+    // Scored tokens see a sparse policy, or the audit, only through decoding steps.
+    let scoring =
+        if args.attention.kind == AttentionKind::Dense && !audited { Scoring::Batched } else { Scoring::Decoded };
+    let windows = Windows { max: args.chunks, stride: args.stride, scoring };
     let tokens = texts
         .iter()
         .map(|text| tokenizer.encode(text, true, false).context("tokenizing the text"))
@@ -84,22 +112,47 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         _ => None,
     };
     let keep_top = if args.kl_base.is_some() && !args.kl { TOP_K } else { 0 };
-    let mut session = Session::with_cache(&model, args.ctx, DEFAULT_BATCH, args.cache.storage());
+    let mut session = Session::with_policy(&model, args.ctx, DEFAULT_BATCH, args.cache.storage(), policy);
     eprintln!(
-        "sift: {} file(s), {} tokens, context {}, KV cache {}",
+        "sift: {} file(s), {} tokens, context {}, KV cache {}, attention {}",
         paths.len(),
         tokens.iter().map(Vec::len).sum::<usize>(),
         args.ctx,
-        args.cache.kv_cache
+        args.cache.kv_cache,
+        args.attention.kind
     );
+    if let Some(log) = &mut audit_log {
+        let arch = model.hp.arch.gguf_name();
+        let kind = args.attention.kind;
+        log.header(&AuditHeader::new(file.path(), arch, args.cache.kv_cache, kind, args.ctx, None, None))?;
+    }
 
     let bar = progress_bar(total);
     let started = std::time::Instant::now();
     let (mut books, mut all, mut base_used) = (Vec::new(), Evaluation::default(), 0);
+    let mut checked: Vec<HeadRecord> = Vec::new();
+    let (mut chunks_before, mut audit_failure) = (0, None);
     for (path, tokens) in paths.iter().zip(&tokens) {
         let done = bar.position();
         let base = base.as_deref().map(|b| b.get(base_used..).unwrap_or_default());
-        let eval = evaluate(&mut session, tokens, bos, windows, keep_top, base, |n| bar.set_position(done + n as u64))?;
+        let on_call = |p: &Progress| {
+            bar.set_position(done + p.evaluated as u64);
+            let records = p.session.last_records().iter().filter(|r| r.audit.is_some());
+            let (step, position) = (p.session.steps().saturating_sub(1) as usize, p.session.n_past() - 1);
+            for record in records {
+                if let (Some(log), None) = (&mut audit_log, &audit_failure) {
+                    let chunk = Some(chunks_before + p.window);
+                    let row = AttentionRow::new(record, None, chunk, step, position).expect("a checked record");
+                    audit_failure = log.attention(&row).err();
+                }
+                checked.push(record.clone());
+            }
+        };
+        let eval = evaluate(&mut session, tokens, bos, windows, keep_top, base, on_call)?;
+        if let Some(e) = audit_failure.take() {
+            return Err(e.into());
+        }
+        chunks_before += eval.windows;
         let book_base = base.map(|b| &b[..eval.scored.len().min(b.len())]);
         base_used += eval.scored.len();
         books.push(Book {
@@ -119,11 +172,18 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     }
     let secs = started.elapsed().as_secs_f64();
     let overall = PerplexityReport::of(&all.scored, all.windows);
+    if let Some(log) = audit_log {
+        log.finish(&AuditSummary { tokens: overall.tokens_scored, stop: None, turns: None })?;
+    }
     let kl = base.as_deref().and_then(|b| KlReport::of(&all.scored, b));
+    let audit = audited.then(|| AuditTable::of(&checked, args.attention.settings.epsilon));
     if args.json {
-        print_json(&overall, kl.as_ref(), &books)?;
+        print_json(&overall, kl.as_ref(), audit.as_ref(), &books)?;
     } else {
         print_text(&overall, kl.as_ref(), &books);
+        if let Some(audit) = &audit {
+            println!("{audit}");
+        }
     }
     eprintln!(
         "sift: {} chunks, {} tokens scored, {secs:.1} s ({:.0} tok/s evaluated)",
@@ -199,9 +259,17 @@ fn percent(x: f64) -> String {
     format!("{:.2}%", 100.0 * x)
 }
 
-fn print_json(overall: &PerplexityReport, kl: Option<&KlReport>, books: &[Book]) -> anyhow::Result<()> {
+fn print_json(
+    overall: &PerplexityReport,
+    kl: Option<&KlReport>,
+    audit: Option<&AuditTable>,
+    books: &[Book],
+) -> anyhow::Result<()> {
     let mut json = serde_json::to_value(overall)?;
     json["kl"] = serde_json::to_value(kl)?;
+    if let Some(audit) = audit {
+        json["audit"] = serde_json::to_value(audit)?;
+    }
     json["files"] = serde_json::to_value(books)?;
     println!("{}", serde_json::to_string(&json)?);
     Ok(())

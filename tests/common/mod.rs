@@ -9,6 +9,8 @@ use std::sync::OnceLock;
 use sift::gguf::GgufFile;
 use sift::tokenizer::Tokenizer;
 
+pub mod server;
+
 pub fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }

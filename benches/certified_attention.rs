@@ -1,0 +1,121 @@
+//! Attention alone on synthetic long-context caches of Llama-3.1-8B's shape
+//! (32 query heads, 8 KV heads of 128, f16 cache with key sketches): dense,
+//! certified (ε = 0.1, value measure, δ = 0.001) and top-k pages at about
+//! certified's keys read, one after another on the same queries, in one run.
+//!
+//! `cargo bench --bench certified_attention [-- LEN...]` (default 16384
+//! 32768 65536 131072). The caches are drawn as
+//! [`synthetic`](sift::attn::certified::synthetic) says: heavy hitters,
+//! recency bias, heavy-tailed scores. Prints per context the median time of
+//! a call per policy, the ratios to dense, keys read per head (fraction of
+//! the visible positions) and bytes read per call. Timings are ratios
+//! within one run; absolute numbers drift with the machine's load.
+
+use std::time::Instant;
+
+use sift::attn::certified::synthetic::{SyntheticCache, SyntheticShape};
+use sift::attn::certified::{CertifiedPolicy, Params, PerturbationSeed};
+use sift::attn::dense::Dense;
+use sift::attn::topk::Topk;
+use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall};
+use sift::kv::{KvMode, Storage, PAGE};
+
+const STEPS: usize = 9;
+
+/// What one policy did over the steps.
+#[derive(Default)]
+struct Tally {
+    times: Vec<f64>,
+    keys: usize,
+    visible: usize,
+    bytes: f64,
+    fallbacks: usize,
+}
+
+impl Tally {
+    fn add(&mut self, seconds: f64, records: &[HeadRecord]) {
+        self.times.push(seconds);
+        self.keys += records.iter().map(|r| r.keys_read).sum::<usize>();
+        self.visible += records.iter().map(|r| r.visible).sum::<usize>();
+        self.bytes += records.iter().map(|r| r.bytes_read).sum::<f64>();
+        self.fallbacks += records.iter().filter(|r| r.fallback).count();
+    }
+
+    fn median(&self) -> f64 {
+        let mut t = self.times.clone();
+        t.sort_by(f64::total_cmp);
+        t[t.len() / 2]
+    }
+}
+
+/// The decoding call of the newest position with `queries`.
+fn batch<'a>(cache: &'a SyntheticCache, queries: &'a [f32]) -> AttentionBatch<'a> {
+    let shape = cache.shape;
+    AttentionBatch {
+        queries,
+        keys: &cache.last_keys,
+        values: &cache.last_values,
+        pos0: shape.len - 1,
+        n_head: shape.n_head(),
+        head_dim_k: shape.dim,
+        head_dim_v: shape.dim,
+        n_gqa: shape.n_gqa,
+        scale: shape.scale(),
+    }
+}
+
+fn main() {
+    let lens: Vec<usize> = std::env::args().skip(1).filter_map(|a| a.parse().ok()).collect();
+    let lens = if lens.is_empty() { vec![16384, 32768, 65536, 131072] } else { lens };
+    println!(
+        "| context | dense ms | certified ms | topk ms | certified vs dense | topk vs dense | keys read certified \
+         | keys read topk | MB/call dense | MB/call certified | MB/call topk | fallbacks |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for len in lens {
+        let shape = SyntheticShape::llama_8b(len);
+        let storage = Storage { mode: KvMode::F16, key_sketch: true, ..Storage::default() };
+        let mut cache = SyntheticCache::new(shape, storage, 1);
+        let mut certified = CertifiedPolicy::new(Params::default(), PerturbationSeed { seed: 42, fixed: false });
+        let mut out = vec![0.0; shape.n_head() * shape.dim];
+        // A first step, untimed: top-k gets the pages certified's keys
+        // would fill.
+        let queries = cache.queries();
+        let mut records = Vec::new();
+        let call = LayerCall { layer: 0, step: 0, batch: &batch(&cache, &queries), cache: &cache.layer };
+        certified.attend(&call, &mut out, &mut records);
+        let keys = records.iter().map(|r| r.keys_read).sum::<usize>() / records.len();
+        let mut topk = Topk::new(keys.div_ceil(PAGE));
+        let mut dense = Dense;
+        let mut tallies: [Tally; 3] = Default::default();
+        for step in 1..=STEPS {
+            let queries = cache.queries();
+            let call = LayerCall { layer: 0, step: step as u64, batch: &batch(&cache, &queries), cache: &cache.layer };
+            let policies: [&mut dyn AttentionPolicy; 3] = [&mut dense, &mut certified, &mut topk];
+            for (tally, policy) in tallies.iter_mut().zip(policies) {
+                records.clear();
+                let start = Instant::now();
+                policy.attend(&call, &mut out, &mut records);
+                tally.add(start.elapsed().as_secs_f64(), &records);
+            }
+        }
+        let [d, c, t] = &tallies;
+        let ms = |t: &Tally| 1e3 * t.median();
+        let mb = |t: &Tally| t.bytes / STEPS as f64 / 1e6;
+        let frac = |t: &Tally| t.keys as f64 / t.visible as f64;
+        println!(
+            "| {len} | {:.2} | {:.2} | {:.2} | {:.2}x | {:.2}x | {:.3} | {:.3} | {:.1} | {:.1} | {:.1} | {} |",
+            ms(d),
+            ms(c),
+            ms(t),
+            d.median() / c.median(),
+            d.median() / t.median(),
+            frac(c),
+            frac(t),
+            mb(d),
+            mb(c),
+            mb(t),
+            c.fallbacks
+        );
+    }
+}

@@ -1,0 +1,86 @@
+//! The `--attn` family of flags: which attention policy a command's
+//! sessions decode with, and its settings.
+
+use clap::Args;
+use sift::attn::audit::Audited;
+use sift::attn::certified::{CertifiedPolicy, Grid, Params, PerturbationSeed};
+use sift::attn::dense::Dense;
+use sift::attn::topk::Topk;
+use sift::attn::{AttentionKind, AttentionPolicy, Measure};
+
+use super::Usage;
+
+/// The settings of the sparse policies, shared by every command that takes
+/// `--attn`.
+#[derive(Args, Clone)]
+pub struct PolicyArgs {
+    /// Certified attention's error target ε, on the --measure scale
+    #[arg(long = "eps", default_value_t = 0.1)]
+    pub epsilon: f64,
+    /// Certified attention's failure probability δ, per head and decoding step
+    #[arg(long, default_value_t = 0.001)]
+    pub delta: f64,
+    /// The scale errors are certified (and audited) on: value (‖ô−o‖ over the attention-weighted
+    /// RMS of the values), output (‖ô−o‖/‖o‖) or denominator (|D̂−D|/D of the softmax)
+    #[arg(long, default_value = "value")]
+    pub measure: Measure,
+    /// Draw certified attention's perturbations once per position and reuse them at every step,
+    /// instead of fresh ones per step
+    #[arg(long)]
+    pub fixed_perturbation: bool,
+    /// Pages of 64 keys --attn topk reads beside the 64 newest keys and the first 4
+    #[arg(long, default_value_t = 16)]
+    pub topk_pages: usize,
+}
+
+impl PolicyArgs {
+    /// Rejects settings no policy can use.
+    pub fn check(&self) -> Result<(), Usage> {
+        if !(self.epsilon > 0.0 && self.epsilon.is_finite()) {
+            return Err(Usage(format!("--eps must be a positive number, not {}", self.epsilon)));
+        }
+        if !(self.delta > 0.0 && self.delta < 1.0) {
+            return Err(Usage(format!("--delta must lie strictly between 0 and 1, not {}", self.delta)));
+        }
+        if self.topk_pages == 0 {
+            return Err(Usage("--topk-pages must be at least 1".into()));
+        }
+        Ok(())
+    }
+
+    /// The policy `kind` with these settings, its perturbations drawn from
+    /// `seed`; audited on `--measure` if `audit`.
+    pub fn policy(&self, kind: AttentionKind, seed: u64, audit: bool) -> Result<Box<dyn AttentionPolicy>, Usage> {
+        self.check()?;
+        let policy: Box<dyn AttentionPolicy> = match kind {
+            AttentionKind::Dense => Box::new(Dense),
+            AttentionKind::Topk => Box::new(Topk::new(self.topk_pages)),
+            AttentionKind::Certified => {
+                let params =
+                    Params { eps: self.epsilon, delta: self.delta, measure: self.measure, grid: Grid::default() };
+                Box::new(CertifiedPolicy::new(params, PerturbationSeed { seed, fixed: self.fixed_perturbation }))
+            }
+        };
+        Ok(if audit { Box::new(Audited::new(policy, self.measure)) } else { policy })
+    }
+}
+
+/// `--attn` with its settings, for commands that run one policy.
+#[derive(Args, Clone)]
+pub struct AttentionArgs {
+    /// Attention on decoding steps: dense reads every key; certified estimates attention from a
+    /// sample of keys with an error bound (--eps, --delta, --measure); topk reads the --topk-pages
+    /// pages of largest score bounds. Sparse policies read sparsely only where a step sees 1024
+    /// positions or more (so Gemma 3's sliding layers stay dense)
+    #[arg(long = "attn", default_value = "dense")]
+    pub kind: AttentionKind,
+    #[command(flatten)]
+    pub settings: PolicyArgs,
+}
+
+impl AttentionArgs {
+    /// The policy asked for, perturbed from `seed`; audited if `audit`.
+    pub fn policy(&self, seed: u64, audit: bool) -> Result<Box<dyn AttentionPolicy>, Usage> {
+        self.settings.policy(self.kind, seed, audit)
+    }
+}

@@ -1,0 +1,94 @@
+//! `sift serve`: the model behind an OpenAI-compatible HTTP API, with a chat page.
+
+use std::io::Write;
+use std::net::{IpAddr, TcpListener};
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use sift::chat::ChatTemplate;
+use sift::conversation::Conversation;
+use sift::model::Model;
+use sift::serve::{Config, Params};
+use sift::tokenizer::Tokenizer;
+
+use super::{announce_template, context_size, GenerationArgs, ModelArgs};
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on; anything but a loopback address lets other machines in
+    #[arg(long, default_value = "127.0.0.1")]
+    host: IpAddr,
+    /// Port to listen on; 0 picks a free one (the address is printed on stdout)
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every route but /health and the chat page
+    #[arg(long, env = "SIFT_API_KEY", value_name = "KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Requests that may wait while one is served; more get 503 with Retry-After
+    #[arg(long, default_value_t = 16)]
+    queue: usize,
+    /// Largest request body accepted, in bytes (larger ones get 413)
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body: usize,
+    /// Tokens per reply at most, for a request that gives no max_tokens
+    #[arg(short = 'n', long = "n-predict", visible_alias = "max-tokens", default_value_t = 1024)]
+    n_predict: usize,
+    /// Jinja chat template to use instead of the model's
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<PathBuf>,
+    /// No information lines on stderr (warnings and errors still come)
+    #[arg(short, long)]
+    quiet: bool,
+    /// Sampling flags are the defaults for what a request leaves out
+    #[command(flatten)]
+    generation: GenerationArgs,
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    // The sampling seed draws certified attention's perturbations too.
+    let sampling = args.generation.sampling();
+    let policy = args.generation.attention.policy(sampling.seed, false)?;
+    let file = args.model.open()?;
+    let tokenizer = Tokenizer::from_gguf(&file)?;
+    let model = Model::load(&file)?;
+    let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
+    let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
+    let storage = args.generation.cache.storage();
+    let conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
+    let listener = TcpListener::bind((args.host, args.port))
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    let address = listener.local_addr().context("reading the address listened on")?;
+    if !args.quiet {
+        eprintln!(
+            "sift: {} ({}), context {n_ctx}, {} threads",
+            file.path().display(),
+            model.hp.arch.gguf_name(),
+            rayon::current_num_threads()
+        );
+        announce_template(&template);
+    }
+    if !args.host.is_loopback() && args.api_key.is_none() {
+        eprintln!("sift: warning: listening on {} without --api-key: anyone who can reach it may use it", args.host);
+    }
+    let model_id = file.path().file_stem().map_or("sift".into(), |stem| stem.to_string_lossy().into_owned());
+    let config = Config {
+        model_id,
+        api_key: args.api_key,
+        queue: args.queue,
+        max_body: args.max_body,
+        defaults: Params { sampling, max_tokens: args.n_predict, stop: Vec::new(), top_logprobs: None },
+    };
+    // The first line on stdout, once connections are taken: scripts read the port from it.
+    let mut stdout = std::io::stdout().lock();
+    writeln!(stdout, "listening on http://{address}")?;
+    stdout.flush()?;
+    drop(stdout);
+    sift::serve::serve(listener, conversation, template, config)?;
+    if !args.quiet {
+        eprintln!("sift: server stopped");
+    }
+    Ok(())
+}

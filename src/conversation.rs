@@ -1,0 +1,203 @@
+//! A conversation with a model: the engine that `sift run`, `sift chat` and `sift serve` share.
+//!
+//! A [`Conversation`] owns one session (one KV cache) and remembers which tokens that cache
+//! holds. Each request comes as the token ids of the whole prompt (for a chat, the whole
+//! conversation rendered by its template, see [`chat_prompt`]); only the ids the cache does not
+//! hold yet are prefilled, so the next turn of a conversation costs only its new tokens. That
+//! works while the history tokenizes as it did when it went into the cache. When it does not (a
+//! template trims a reply, the system prompt changed, another conversation came in between), the
+//! cache is emptied, the prompt prefilled anew, and [`Stats::re_prefills`] counts it.
+//!
+//! Generation itself is [`generate`]: limits and stop strings in [`Limits`], text streamed to a
+//! callback, every token shown to another callback that can stop it at the next token.
+
+use std::ops::ControlFlow;
+
+use crate::attn::AttentionPolicy;
+use crate::chat::{self, ChatError, ChatTemplate, Message};
+use crate::engine::{EngineError, Session, DEFAULT_BATCH};
+use crate::generate::{generate, Generated, Limits, Sampled};
+use crate::kv::Storage;
+use crate::model::Model;
+use crate::sample::{Sampler, SamplingParams};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// Why a request could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ConversationError {
+    #[error(transparent)]
+    Template(#[from] ChatError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+/// The ids of `messages` as the model reads them, rendered by `template`;
+/// `add_generation_prompt` opens the assistant's turn.
+pub fn chat_prompt(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    messages: &[Message],
+    add_generation_prompt: bool,
+) -> Result<Vec<u32>, ConversationError> {
+    Ok(chat::encode(tokenizer, &template.render(messages, add_generation_prompt)?)?)
+}
+
+/// What the conversation has cost so far.
+#[derive(Debug, Clone, Default)]
+pub struct Stats {
+    /// Prompt tokens prefilled for each request (a [`Conversation::prefill`] counts as one).
+    pub prefilled: Vec<usize>,
+    /// Requests whose prompt did not start with what the cache held, and so were prefilled anew.
+    pub re_prefills: usize,
+    pub last_reply: Option<Generated>,
+}
+
+/// One session and what its KV cache holds.
+pub struct Conversation<'m> {
+    session: Session<'m>,
+    tokenizer: &'m Tokenizer,
+    sampling: SamplingParams,
+    sampler: Sampler,
+    /// The tokens in the KV cache, in order.
+    cached: Vec<u32>,
+    stats: Stats,
+}
+
+impl<'m> Conversation<'m> {
+    /// A conversation whose session keeps its cache as `storage` says and attends with `policy`.
+    pub fn new(
+        model: &'m Model<'m>,
+        tokenizer: &'m Tokenizer,
+        n_ctx: usize,
+        storage: Storage,
+        policy: Box<dyn AttentionPolicy>,
+        sampling: SamplingParams,
+    ) -> Self {
+        Self {
+            session: Session::with_policy(model, n_ctx, DEFAULT_BATCH, storage, policy),
+            tokenizer,
+            sampler: Sampler::new(sampling.clone()),
+            sampling,
+            cached: Vec::new(),
+            stats: Stats::default(),
+        }
+    }
+
+    pub fn session(&self) -> &Session<'m> {
+        &self.session
+    }
+
+    pub fn tokenizer(&self) -> &'m Tokenizer {
+        self.tokenizer
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    /// The tokens the KV cache holds.
+    pub fn cached(&self) -> &[u32] {
+        &self.cached
+    }
+
+    /// Samples the next requests with `sampling`: a sampler seeded afresh, which has seen the
+    /// tokens the cache holds (for the repetition penalty), as if it had read them itself.
+    pub fn set_sampling(&mut self, sampling: SamplingParams) {
+        self.sampler = Sampler::new(sampling.clone());
+        let recent = self.cached.len().saturating_sub(sampling.repeat_last_n);
+        for &id in &self.cached[recent..] {
+            self.sampler.accept(id);
+        }
+        self.sampling = sampling;
+    }
+
+    /// Whether a prompt of `ids` fits the context: the prompt is too long for a fresh
+    /// conversation, and the context full for one under way.
+    pub fn check_fits(&self, ids: &[u32]) -> Result<(), EngineError> {
+        let n_ctx = self.session.n_ctx();
+        if ids.len() <= n_ctx {
+            Ok(())
+        } else if self.cached.is_empty() {
+            Err(EngineError::PromptTooLong { prompt: ids.len(), n_ctx })
+        } else {
+            Err(EngineError::ContextFull { n_ctx })
+        }
+    }
+
+    /// How many of `ids` the cache already holds, and so will not be prefilled again. At least
+    /// one token must be left to prefill, for the logits after it: a prompt that the cache holds
+    /// whole is prefilled anew.
+    pub fn reusable(&self, ids: &[u32]) -> usize {
+        if ids.len() > self.cached.len() && ids.starts_with(&self.cached) {
+            self.cached.len()
+        } else {
+            0
+        }
+    }
+
+    /// Generates after the prompt `ids`, prefilling only what the cache does not hold of it.
+    /// `on_text` and `on_token` are [`generate`]'s callbacks: streamed text, and every token
+    /// sampled (`Break` stops the generation there).
+    pub fn generate(
+        &mut self,
+        ids: &[u32],
+        limits: Limits,
+        on_text: impl FnMut(&str),
+        on_token: impl FnMut(&Sampled) -> ControlFlow<()>,
+    ) -> Result<Generated, EngineError> {
+        self.check_fits(ids)?;
+        let start = self.reusable(ids);
+        if start == 0 && !self.cached.is_empty() {
+            self.stats.re_prefills += 1;
+            self.clear_cache();
+        }
+        let generated =
+            generate(&mut self.session, self.tokenizer, &mut self.sampler, &ids[start..], limits, on_text, on_token);
+        let generated = match generated {
+            Ok(generated) => generated,
+            Err(e) => {
+                // What a failed step left in the cache is unknown: start over next time.
+                self.clear_cache();
+                return Err(e);
+            }
+        };
+        self.cached = ids.to_vec();
+        self.cached.extend(&generated.tokens);
+        // The last token sampled is decoded only if generation goes on.
+        self.cached.truncate(self.session.n_past());
+        self.stats.prefilled.push(generated.prompt_tokens);
+        Ok(self.stats.last_reply.insert(generated).clone())
+    }
+
+    /// Starts over with `ids` in the cache, prefilled without generating anything.
+    pub fn prefill(&mut self, ids: &[u32]) -> Result<(), EngineError> {
+        let n_ctx = self.session.n_ctx();
+        if ids.len() > n_ctx {
+            return Err(EngineError::PromptTooLong { prompt: ids.len(), n_ctx });
+        }
+        self.reset();
+        if !ids.is_empty() {
+            self.session.prefill(ids)?;
+        }
+        for &id in ids {
+            self.sampler.accept(id);
+        }
+        self.stats.prefilled.push(ids.len());
+        self.cached = ids.to_vec();
+        Ok(())
+    }
+
+    /// Forgets everything: the cache, the statistics, and the sampler's state.
+    pub fn reset(&mut self) {
+        self.clear_cache();
+        self.sampler = Sampler::new(self.sampling.clone());
+        self.stats = Stats::default();
+    }
+
+    fn clear_cache(&mut self) {
+        self.session.reset();
+        self.cached.clear();
+    }
+}

@@ -1,0 +1,383 @@
+//! The wire format: OpenAI's request and response bodies, as far as sift serves them.
+//!
+//! Requests are read leniently, the way clients write them: a message's `content` is a string, an
+//! array of text parts, or null; `stop` is a string or an array; fields sift does not use are
+//! ignored. Values out of range are refused with a message naming the field. `model` is one of
+//! the fields ignored: a server serves one model, whatever name a client gives it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::attn::Certificate;
+use crate::audit::{AuditRecord, TOP};
+use crate::chat::Message;
+use crate::generate::StopReason;
+use crate::sample::SamplingParams;
+use crate::tokenizer::Tokenizer;
+
+use super::error::ApiError;
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    pub messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    pub options: Options,
+    /// Whether each token's log-probability is returned.
+    #[serde(default)]
+    pub logprobs: bool,
+    /// How many of the most likely tokens each position lists (with `logprobs`).
+    #[serde(default)]
+    pub top_logprobs: Option<usize>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    pub prompt: PromptText,
+    #[serde(flatten)]
+    pub options: Options,
+    /// How many of the most likely tokens each position lists; present, it asks for logprobs.
+    #[serde(default)]
+    pub logprobs: Option<usize>,
+}
+
+/// What both kinds of request share: sampling, limits, streaming.
+#[derive(Debug, Deserialize)]
+pub struct Options {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub max_tokens: Option<usize>,
+    /// The newer name of `max_tokens` in the chat API.
+    pub max_completion_tokens: Option<usize>,
+    pub stop: Option<Stop>,
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stream: bool,
+    pub stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// A completion's prompt: a string, or an array holding one.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptText {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    #[serde(default)]
+    pub content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+/// One part of a message's content; only text parts are read.
+#[derive(Debug, Deserialize)]
+pub struct Part {
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+impl ChatMessage {
+    /// The message as a chat template reads it: `developer` is OpenAI's newer name for `system`.
+    pub fn to_message(&self) -> Result<Message, ApiError> {
+        let role = match self.role.as_str() {
+            "developer" => "system",
+            role @ ("system" | "user" | "assistant") => role,
+            other => return Err(ApiError::invalid(format!("messages: role {other:?} is not supported"))),
+        };
+        let content = match &self.content {
+            None => String::new(),
+            Some(Content::Text(text)) => text.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for part in parts {
+                    match (part.kind.as_str(), &part.text) {
+                        ("text", Some(piece)) => text += piece,
+                        (kind, _) => {
+                            return Err(ApiError::invalid(format!(
+                                "messages: content of type {kind:?} is not supported"
+                            )))
+                        }
+                    }
+                }
+                text
+            }
+        };
+        Ok(Message { role: role.to_string(), content })
+    }
+}
+
+impl PromptText {
+    pub fn into_text(self) -> Result<String, ApiError> {
+        match self {
+            PromptText::One(text) => Ok(text),
+            PromptText::Many(mut texts) if texts.len() == 1 => Ok(texts.remove(0)),
+            PromptText::Many(_) => Err(ApiError::invalid("prompt: only one prompt per request is supported")),
+        }
+    }
+}
+
+/// How one request generates, the server's defaults filled in.
+#[derive(Debug, Clone)]
+pub struct Params {
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    /// With logprobs: how many alternatives each position lists.
+    pub top_logprobs: Option<usize>,
+}
+
+impl Options {
+    /// The request's settings over the server's `defaults`; a fresh seed where none is given.
+    pub fn params(&self, defaults: &Params, top_logprobs: Option<usize>) -> Result<Params, ApiError> {
+        let mut sampling = defaults.sampling.clone();
+        if let Some(t) = self.temperature {
+            check(t.is_finite() && (0.0..=2.0).contains(&t), "temperature must be between 0 and 2")?;
+            sampling.temperature = t;
+        }
+        if let Some(p) = self.top_p {
+            check(p.is_finite() && p > 0.0 && p <= 1.0, "top_p must be in (0, 1]")?;
+            sampling.top_p = p;
+        }
+        if let Some(p) = self.min_p {
+            check(p.is_finite() && (0.0..=1.0).contains(&p), "min_p must be between 0 and 1")?;
+            sampling.min_p = p;
+        }
+        if let Some(k) = self.top_k {
+            sampling.top_k = k;
+        }
+        sampling.seed = self.seed.unwrap_or_else(clock_seed);
+        if let Some(n) = top_logprobs {
+            check(n <= TOP, &format!("top_logprobs must be at most {TOP}"))?;
+        }
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        };
+        check(stop.iter().all(|s| !s.is_empty()), "stop strings must not be empty")?;
+        Ok(Params {
+            sampling,
+            max_tokens: self.max_completion_tokens.or(self.max_tokens).unwrap_or(defaults.max_tokens),
+            stop,
+            top_logprobs,
+        })
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+    }
+}
+
+fn check(ok: bool, message: &str) -> Result<(), ApiError> {
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::invalid(message))
+    }
+}
+
+/// A seed from the clock, for requests that give none.
+pub fn clock_seed() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// OpenAI's `finish_reason`.
+pub fn finish_reason(stop: StopReason) -> &'static str {
+    match stop {
+        StopReason::EndOfGeneration | StopReason::StopString | StopReason::Interrupted => "stop",
+        StopReason::TokenLimit | StopReason::ContextFull => "length",
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens the KV cache already held from an earlier request, and so not prefilled.
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: usize, cached_tokens: usize, completion_tokens: usize) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: PromptTokensDetails { cached_tokens },
+        }
+    }
+}
+
+/// sift's extension on each choice.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct SiftExtension {
+    /// How far the attention that produced the reply may be from exact attention.
+    pub attention: Certificate,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+}
+
+/// One position of a chat completion's `logprobs.content`.
+#[derive(Debug, Clone, Serialize)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+impl TokenLogprob {
+    /// The audit's view of a token, in OpenAI's shape, with the `top` most likely alternatives.
+    pub fn new(record: &AuditRecord, tokenizer: &Tokenizer, top: usize) -> Self {
+        let bytes = tokenizer.token_bytes(record.token);
+        Self {
+            token: String::from_utf8_lossy(&bytes).into_owned(),
+            logprob: record.logprob,
+            bytes,
+            top_logprobs: record
+                .top
+                .iter()
+                .take(top)
+                .map(|alt| TopLogprob {
+                    token: alt.text.clone(),
+                    logprob: alt.logprob,
+                    bytes: tokenizer.token_bytes(alt.token),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A chat completion's `logprobs`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<TokenLogprob>,
+}
+
+/// A legacy completion's `logprobs`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct TextLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<std::collections::BTreeMap<String, f32>>,
+}
+
+impl TextLogprobs {
+    pub fn push(&mut self, token: &TokenLogprob) {
+        self.tokens.push(token.token.clone());
+        self.token_logprobs.push(token.logprob);
+        self.top_logprobs.push(token.top_logprobs.iter().map(|t| (t.token.clone(), t.logprob)).collect());
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: AssistantMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: &'static str,
+    pub x_sift: SiftExtension,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TextChoice {
+    pub index: usize,
+    pub text: String,
+    pub logprobs: Option<TextLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub x_sift: Option<SiftExtension>,
+}
+
+/// A whole response (`object` says which kind) or one chunk of a stream.
+#[derive(Debug, Serialize)]
+pub struct Completion<C> {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<C>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+/// A chunk's change to the assistant's message.
+#[derive(Debug, Default, Serialize)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChunkChoice {
+    pub index: usize,
+    pub delta: Delta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub x_sift: Option<SiftExtension>,
+}
+
+/// `GET /v1/models`.
+#[derive(Debug, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    /// The context size the server runs the model with.
+    pub x_sift_n_ctx: usize,
+}

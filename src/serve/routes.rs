@@ -1,0 +1,401 @@
+//! The HTTP side: routes, the API key, bodies read as JSON, and responses whole or streamed.
+//!
+//! A streamed response is a task that turns the worker's [`Event`]s into server-sent events: a
+//! first chunk with the assistant's role, one chunk per piece of text, a last chunk with the
+//! finish reason (and sift's extension), the usage when asked for, and `data: [DONE]`. When the
+//! client goes away the task's sends fail, it ends, and its end of the worker's channel closes.
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use subtle::ConstantTimeEq;
+use tokio::sync::mpsc::{channel, UnboundedReceiver};
+use tokio_stream::wrappers::ReceiverStream;
+
+use super::api::{
+    finish_reason, AssistantMessage, ChatChoice, ChatLogprobs, ChatRequest, ChunkChoice, Completion, CompletionRequest,
+    Delta, ModelCard, ModelList, Options, Params, SiftExtension, TextChoice, TextLogprobs, TokenLogprob, Usage,
+};
+use super::error::ApiError;
+use super::worker::{Event, Finished, Prompt, Queue};
+use super::{Config, ServeError};
+
+/// The chat page: one HTML file, its CSS and JS inline.
+const PAGE: &str = include_str!("page.html");
+
+struct Server {
+    queue: Queue,
+    config: Config,
+    n_ctx: usize,
+    started: u64,
+    next_id: AtomicU64,
+}
+
+/// Serves HTTP on `listener` until Ctrl-C or SIGTERM.
+pub fn run(listener: std::net::TcpListener, queue: Queue, config: Config, n_ctx: usize) -> Result<(), ServeError> {
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(ServeError::Runtime)?;
+    let max_body = config.max_body;
+    let server = Arc::new(Server { queue, config, n_ctx, started: unix_now(), next_id: AtomicU64::new(1) });
+    let app = Router::new()
+        .route("/", get(|| async { Html(PAGE) }))
+        .route("/health", get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
+        .layer(middleware::from_fn_with_state(server.clone(), authorize))
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(server);
+    runtime.block_on(async move {
+        listener.set_nonblocking(true).map_err(ServeError::Runtime)?;
+        let listener = tokio::net::TcpListener::from_std(listener).map_err(ServeError::Runtime)?;
+        axum::serve(listener, app).with_graceful_shutdown(shutdown_signal()).await.map_err(ServeError::Http)
+    })
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    let mut terminate = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(signal) => signal,
+        Err(_) => {
+            let _ = interrupt.await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = interrupt => {}
+        _ = terminate.recv() => {}
+    }
+}
+
+/// With an API key set, every route but `/health` and the page needs it as a bearer token.
+async fn authorize(State(server): State<Arc<Server>>, request: Request, next: Next) -> Response {
+    let open = matches!(request.uri().path(), "/" | "/health");
+    if let (Some(key), false) = (&server.config.api_key, open) {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.strip_prefix("Bearer "))
+            .unwrap_or("");
+        // Constant time in the key's content (a length that differs fails at once).
+        if !bool::from(given.as_bytes().ct_eq(key.as_bytes())) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+async fn models(State(server): State<Arc<Server>>) -> Json<ModelList> {
+    Json(ModelList { object: "list", data: vec![server.card()] })
+}
+
+impl Server {
+    fn card(&self) -> ModelCard {
+        ModelCard {
+            id: self.config.model_id.clone(),
+            object: "model",
+            created: self.started,
+            owned_by: "sift",
+            x_sift_n_ctx: self.n_ctx,
+        }
+    }
+
+    fn new_id(&self, prefix: &str) -> String {
+        format!("{prefix}-{:x}-{}", self.started, self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// A JSON body, or the 400 (or 413) that says why it is not one.
+fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+    let body = body.map_err(|rejection| match rejection.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            ..ApiError::invalid(format!("the request body is larger than the limit: {}", rejection.body_text()))
+        },
+        _ => ApiError::invalid(rejection.body_text()),
+    })?;
+    serde_json::from_slice(&body).map_err(|e| ApiError::invalid(format!("the body is not a valid request: {e}")))
+}
+
+async fn chat_completions(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let handle = async {
+        let request: ChatRequest = parse(body)?;
+        let messages = request.messages.iter().map(|m| m.to_message()).collect::<Result<Vec<_>, _>>()?;
+        let top = request.logprobs.then(|| request.top_logprobs.unwrap_or(0));
+        let params = request.options.params(&server.config.defaults, top)?;
+        complete::<Chat>(&server, Prompt::Chat(messages), params, &request.options).await
+    };
+    handle.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+async fn completions(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let handle = async {
+        let request: CompletionRequest = parse(body)?;
+        let prompt = request.prompt.into_text()?;
+        let params = request.options.params(&server.config.defaults, request.logprobs)?;
+        complete::<Text>(&server, Prompt::Text(prompt), params, &request.options).await
+    };
+    handle.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// Queues the job, waits for the model to take it, and answers whole or as a stream.
+async fn complete<K: Kind>(
+    server: &Server,
+    prompt: Prompt,
+    params: Params,
+    options: &Options,
+) -> Result<Response, ApiError> {
+    let logprobs = params.top_logprobs.is_some();
+    let mut events = server.queue.submit(prompt, params)?;
+    let usage = started(&mut events).await?;
+    let answer = Answer {
+        id: server.new_id(K::ID_PREFIX),
+        created: unix_now(),
+        model: server.config.model_id.clone(),
+        usage,
+        logprobs,
+        include_usage: options.include_usage(),
+    };
+    if options.stream {
+        return Ok(stream::<K>(answer, events));
+    }
+    let gathered = gather(events).await?;
+    let usage = completed(answer.usage, &gathered.finished);
+    Ok(Json(answer.completion(K::OBJECT, vec![K::whole(&answer, gathered)], Some(usage))).into_response())
+}
+
+/// Waits for the worker to take the job: the usage so far (prompt and cached tokens), or why the
+/// job cannot be served.
+async fn started(events: &mut UnboundedReceiver<Event>) -> Result<Usage, ApiError> {
+    match events.recv().await {
+        Some(Event::Started { prompt_tokens, cached_tokens }) => Ok(Usage::new(prompt_tokens, cached_tokens, 0)),
+        Some(Event::Failed(e)) => Err(e),
+        Some(_) => Err(ApiError::internal("the model's thread answered out of order")),
+        None => Err(ApiError::shutting_down()),
+    }
+}
+
+/// The rest of a job, gathered: its text, its tokens' log-probabilities, how it finished.
+struct Gathered {
+    text: String,
+    tokens: Vec<TokenLogprob>,
+    finished: Finished,
+}
+
+async fn gather(mut events: UnboundedReceiver<Event>) -> Result<Gathered, ApiError> {
+    let (mut text, mut tokens) = (String::new(), Vec::new());
+    while let Some(event) = events.recv().await {
+        match event {
+            Event::Text(piece) => text += &piece,
+            Event::Token(token) => tokens.push(token),
+            Event::Finished(finished) => return Ok(Gathered { text, tokens, finished }),
+            Event::Failed(e) => return Err(e),
+            Event::Started { .. } => {}
+        }
+    }
+    Err(ApiError::shutting_down())
+}
+
+fn extension(finished: &Finished) -> SiftExtension {
+    SiftExtension {
+        attention: finished.attention,
+        prefill_tok_s: finished.prefill_tok_s,
+        decode_tok_s: finished.decode_tok_s,
+    }
+}
+
+fn completed(usage: Usage, finished: &Finished) -> Usage {
+    Usage::new(usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, finished.completion_tokens)
+}
+
+/// A request taken by the model: what its response says besides the text.
+struct Answer {
+    id: String,
+    created: u64,
+    model: String,
+    /// The prompt's tokens, and those of them the cache held.
+    usage: Usage,
+    logprobs: bool,
+    /// Whether a stream ends with a chunk of usage.
+    include_usage: bool,
+}
+
+impl Answer {
+    fn completion<C>(&self, object: &'static str, choices: Vec<C>, usage: Option<Usage>) -> Completion<C> {
+        Completion { id: self.id.clone(), object, created: self.created, model: self.model.clone(), choices, usage }
+    }
+}
+
+/// The two kinds of completion, chat and text: how each writes its choice, whole or in chunks.
+trait Kind {
+    type Whole: Serialize;
+    type Chunk: Serialize + Send;
+    const ID_PREFIX: &'static str;
+    /// The `object` of a whole response, and of a stream's chunks.
+    const OBJECT: &'static str;
+    const CHUNK_OBJECT: &'static str;
+    fn whole(answer: &Answer, gathered: Gathered) -> Self::Whole;
+    /// The chunk that opens a stream, if the kind has one.
+    fn opening() -> Option<Self::Chunk>;
+    /// A piece of text, with the log-probabilities of the tokens it completes.
+    fn text(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> Self::Chunk;
+    fn last(finished: &Finished) -> Self::Chunk;
+}
+
+/// `/v1/chat/completions`.
+struct Chat;
+
+impl Kind for Chat {
+    type Whole = ChatChoice;
+    type Chunk = ChunkChoice;
+    const ID_PREFIX: &'static str = "chatcmpl";
+    const OBJECT: &'static str = "chat.completion";
+    const CHUNK_OBJECT: &'static str = "chat.completion.chunk";
+
+    fn whole(answer: &Answer, Gathered { text, tokens, finished }: Gathered) -> ChatChoice {
+        ChatChoice {
+            index: 0,
+            message: AssistantMessage { role: "assistant", content: text },
+            logprobs: answer.logprobs.then_some(ChatLogprobs { content: tokens }),
+            finish_reason: finish_reason(finished.stop),
+            x_sift: extension(&finished),
+        }
+    }
+
+    fn opening() -> Option<ChunkChoice> {
+        let delta = Delta { role: Some("assistant"), content: Some(String::new()) };
+        Some(ChunkChoice { index: 0, delta, logprobs: None, finish_reason: None, x_sift: None })
+    }
+
+    fn text(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> ChunkChoice {
+        ChunkChoice {
+            index: 0,
+            delta: Delta { role: None, content: Some(text) },
+            logprobs: answer.logprobs.then_some(ChatLogprobs { content: tokens }),
+            finish_reason: None,
+            x_sift: None,
+        }
+    }
+
+    fn last(finished: &Finished) -> ChunkChoice {
+        ChunkChoice {
+            index: 0,
+            delta: Delta::default(),
+            logprobs: None,
+            finish_reason: Some(finish_reason(finished.stop)),
+            x_sift: Some(extension(finished)),
+        }
+    }
+}
+
+/// `/v1/completions`: a whole response and its chunks have the same shape.
+struct Text;
+
+impl Kind for Text {
+    type Whole = TextChoice;
+    type Chunk = TextChoice;
+    const ID_PREFIX: &'static str = "cmpl";
+    const OBJECT: &'static str = "text_completion";
+    const CHUNK_OBJECT: &'static str = "text_completion";
+
+    fn whole(answer: &Answer, Gathered { text, tokens, finished }: Gathered) -> TextChoice {
+        TextChoice {
+            finish_reason: Some(finish_reason(finished.stop)),
+            x_sift: Some(extension(&finished)),
+            ..Self::text(answer, text, tokens)
+        }
+    }
+
+    fn opening() -> Option<TextChoice> {
+        None
+    }
+
+    fn text(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> TextChoice {
+        let logprobs = answer.logprobs.then(|| {
+            let mut all = TextLogprobs::default();
+            tokens.iter().for_each(|token| all.push(token));
+            all
+        });
+        TextChoice { index: 0, text, logprobs, finish_reason: None, x_sift: None }
+    }
+
+    fn last(finished: &Finished) -> TextChoice {
+        TextChoice {
+            index: 0,
+            text: String::new(),
+            logprobs: None,
+            finish_reason: Some(finish_reason(finished.stop)),
+            x_sift: Some(extension(finished)),
+        }
+    }
+}
+
+/// Server-sent events from the worker's events, by a task that ends when the client goes away.
+fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Response {
+    let (sse, body) = channel::<Result<SseEvent, Infallible>>(64);
+    tokio::spawn(async move {
+        let send = |data: String| {
+            let sse = sse.clone();
+            async move { sse.send(Ok(SseEvent::default().data(data))).await.is_ok() }
+        };
+        let chunk = |choices: Vec<K::Chunk>, usage| json(&answer.completion(K::CHUNK_OBJECT, choices, usage));
+        if let Some(opening) = K::opening() {
+            if !send(chunk(vec![opening], None)).await {
+                return;
+            }
+        }
+        let mut tokens = Vec::new();
+        while let Some(event) = events.recv().await {
+            let sent = match event {
+                Event::Started { .. } => true,
+                Event::Token(token) => {
+                    tokens.push(token);
+                    true
+                }
+                Event::Text(text) => send(chunk(vec![K::text(&answer, text, std::mem::take(&mut tokens))], None)).await,
+                Event::Finished(finished) => {
+                    let last = chunk(vec![K::last(&finished)], None);
+                    let usage = completed(answer.usage, &finished);
+                    let usage = answer.include_usage.then(|| chunk(Vec::new(), Some(usage)));
+                    for data in [Some(last), usage, Some("[DONE]".to_string())].into_iter().flatten() {
+                        if !send(data).await {
+                            break;
+                        }
+                    }
+                    return;
+                }
+                Event::Failed(e) => {
+                    send(json(&e.body())).await;
+                    return;
+                }
+            };
+            if !sent {
+                return;
+            }
+        }
+    });
+    Sse::new(ReceiverStream::new(body)).keep_alive(KeepAlive::default()).into_response()
+}
+
+fn json<T: Serialize>(value: &T) -> String {
+    serde_json::to_string(value).expect("responses are plain data")
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}

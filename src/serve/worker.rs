@@ -1,0 +1,176 @@
+//! The model's thread and the queue in front of it.
+//!
+//! Inference is CPU-bound and uses every core, so requests are served one at a time, on a thread
+//! of their own, never on the async runtime's workers. Handlers put a [`Job`] in a bounded queue
+//! (a full queue is refused at once, with 503) and read what the job produces from a channel of
+//! [`Event`]s. A client that goes away drops its end of that channel; the worker sees it before
+//! the next token and stops there, and skips a job whose client left while it waited.
+//!
+//! The worker keeps one [`Conversation`], so a request that extends the previous one (the next
+//! turn of a chat, whose messages repeat the earlier turns) prefills only its new tokens.
+
+use std::ops::ControlFlow;
+use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use crate::attn::Certificate;
+use crate::audit::{AuditRecord, TOP};
+use crate::chat::{ChatTemplate, Message};
+use crate::conversation::{chat_prompt, Conversation, ConversationError};
+use crate::engine::EngineError;
+use crate::generate::{Limits, Sampled, StopReason};
+
+use super::api::{Params, TokenLogprob};
+use super::error::ApiError;
+
+/// What a request asks the model to continue.
+#[derive(Debug)]
+pub enum Prompt {
+    /// A conversation, rendered with the chat template and the assistant's turn opened.
+    Chat(Vec<Message>),
+    /// Plain text, tokenized as `sift run` does.
+    Text(String),
+}
+
+#[derive(Debug)]
+pub struct Job {
+    pub prompt: Prompt,
+    pub params: Params,
+    events: UnboundedSender<Event>,
+}
+
+/// What the worker tells the request's handler, in this order: `Started` (or `Failed`), then
+/// `Text` and `Token` as they come, then `Finished` (or `Failed`).
+#[derive(Debug)]
+pub enum Event {
+    Started {
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    /// Text ready to send; stop strings are never part of it.
+    Text(String),
+    /// A token's log-probabilities, when the request asked for them.
+    Token(TokenLogprob),
+    Finished(Finished),
+    Failed(ApiError),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Finished {
+    pub stop: StopReason,
+    pub completion_tokens: usize,
+    /// The weakest certificate of the steps that sampled the reply's tokens.
+    pub attention: Certificate,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
+}
+
+/// The handlers' end of the queue.
+#[derive(Clone)]
+pub struct Queue {
+    jobs: SyncSender<Job>,
+    depth: usize,
+}
+
+/// A bounded queue of `depth` waiting jobs (the one being served not counted).
+pub fn queue(depth: usize) -> (Queue, Receiver<Job>) {
+    let (jobs, waiting) = std::sync::mpsc::sync_channel(depth);
+    (Queue { jobs, depth }, waiting)
+}
+
+impl Queue {
+    /// Queues a job, or refuses it at once when the queue is full.
+    pub fn submit(&self, prompt: Prompt, params: Params) -> Result<UnboundedReceiver<Event>, ApiError> {
+        let (events, receiver) = unbounded_channel();
+        match self.jobs.try_send(Job { prompt, params, events }) {
+            Ok(()) => Ok(receiver),
+            Err(TrySendError::Full(_)) => Err(ApiError::busy(self.depth)),
+            Err(TrySendError::Disconnected(_)) => Err(ApiError::shutting_down()),
+        }
+    }
+}
+
+/// The model's side: serves jobs until every handle of the queue is gone.
+pub struct Worker<'m> {
+    conversation: Conversation<'m>,
+    template: ChatTemplate,
+}
+
+impl<'m> Worker<'m> {
+    pub fn new(conversation: Conversation<'m>, template: ChatTemplate) -> Self {
+        Self { conversation, template }
+    }
+
+    pub fn run(&mut self, jobs: Receiver<Job>) {
+        for job in jobs {
+            if job.events.is_closed() {
+                continue;
+            }
+            if let Err(e) = self.serve(&job) {
+                // The handler may be gone already; nobody else is left to tell.
+                let _ = job.events.send(Event::Failed(e));
+            }
+        }
+    }
+
+    fn serve(&mut self, job: &Job) -> Result<(), ApiError> {
+        let tokenizer = self.conversation.tokenizer();
+        let ids = match &job.prompt {
+            Prompt::Chat(messages) => chat_prompt(tokenizer, &self.template, messages, true),
+            Prompt::Text(text) => tokenizer.encode(text, true, false).map_err(ConversationError::from),
+        }
+        .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let n_ctx = self.conversation.session().n_ctx();
+        if ids.len() > n_ctx {
+            return Err(ApiError::too_long(ids.len(), n_ctx));
+        }
+        if ids.is_empty() {
+            return Err(ApiError::invalid("the prompt is empty"));
+        }
+        let params = &job.params;
+        self.conversation.set_sampling(params.sampling.clone());
+        let cached_tokens = self.conversation.reusable(&ids);
+        let send = |event| job.events.send(event).map_err(|_| ());
+        if send(Event::Started { prompt_tokens: ids.len(), cached_tokens }).is_err() {
+            return Ok(());
+        }
+        let limits = Limits { max_tokens: params.max_tokens, stop: &params.stop, interrupt: None };
+        let on_text = |text: &str| {
+            let _ = send(Event::Text(text.to_string()));
+        };
+        let mut attention = Certificate::DENSE;
+        let on_token = |sampled: &Sampled| {
+            if job.events.is_closed() {
+                return ControlFlow::Break(());
+            }
+            attention = weaker(attention, Certificate::weakest(sampled.attention));
+            if let (Some(top), false) = (params.top_logprobs, tokenizer.is_eog(sampled.token)) {
+                let record = AuditRecord::new(sampled, tokenizer, None);
+                let _ = send(Event::Token(TokenLogprob::new(&record, tokenizer, top.min(TOP))));
+            }
+            ControlFlow::Continue(())
+        };
+        let generated = self.conversation.generate(&ids, limits, on_text, on_token).map_err(|e| match e {
+            EngineError::PromptTooLong { prompt, n_ctx } => ApiError::too_long(prompt, n_ctx),
+            e => ApiError::internal(e.to_string()),
+        })?;
+        let _ = send(Event::Finished(Finished {
+            stop: generated.stop,
+            completion_tokens: generated.tokens.len(),
+            attention,
+            prefill_tok_s: generated.prefill_tok_s(),
+            decode_tok_s: generated.decode_tok_s(),
+        }));
+        Ok(())
+    }
+}
+
+/// The weaker of two certificates: the larger ε, then the larger δ.
+fn weaker(a: Certificate, b: Certificate) -> Certificate {
+    if (b.epsilon, b.delta) > (a.epsilon, a.delta) {
+        b
+    } else {
+        a
+    }
+}

@@ -1,0 +1,168 @@
+//! A `sift serve` started for a test: on a free loopback port, killed when dropped.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// How long a server may take to load the model and listen.
+const STARTUP: Duration = Duration::from_secs(120);
+
+pub struct Server {
+    child: Child,
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+    agent: ureq::Agent,
+}
+
+impl Server {
+    /// `sift serve --host 127.0.0.1 --port 0 --quiet ARGS`, once it listens.
+    pub fn start(args: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_sift"))
+            .args(["serve", "--host", "127.0.0.1", "--port", "0", "--quiet"])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start sift serve");
+        let stdout = child.stdout.take().unwrap();
+        let (line_tx, line_rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = line_tx.send(line);
+        });
+        let line = match line_rx.recv_timeout(STARTUP) {
+            Ok(line) => line,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("sift serve did not listen within {STARTUP:?}");
+            }
+        };
+        let base = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("first line: {line:?}"));
+        assert!(base.starts_with("http://127.0.0.1:"), "{base}");
+        let agent = ureq::Agent::config_builder()
+            .http_status_as_error(false)
+            .timeout_global(Some(Duration::from_secs(300)))
+            .build()
+            .into();
+        Server { child, base: base.to_string(), agent }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+
+    /// POSTs `body` (any bytes) with optional headers; the status and the body as text.
+    pub fn post_raw(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (u16, String, Option<String>) {
+        let mut request = self.agent.post(self.url(path)).header("Content-Type", "application/json");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let mut response = request.send(body).expect("POST");
+        let retry_after = response.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string());
+        let status = response.status().as_u16();
+        (status, response.body_mut().read_to_string().expect("read the body"), retry_after)
+    }
+
+    /// POSTs a JSON request; the status and the body as JSON.
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        let (status, text, _) = self.post_raw(path, body.to_string().as_bytes(), &[]);
+        (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+    }
+
+    pub fn get(&self, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
+        let mut request = self.agent.get(self.url(path));
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let mut response = request.call().expect("GET");
+        (response.status().as_u16(), response.body_mut().read_to_string().expect("read the body"))
+    }
+
+    /// POSTs a streaming request and returns the open stream of server-sent events.
+    pub fn stream(&self, path: &str, body: &serde_json::Value) -> Events {
+        let response = self
+            .agent
+            .post(self.url(path))
+            .header("Content-Type", "application/json")
+            .send(body.to_string().as_bytes())
+            .expect("POST a stream");
+        assert_eq!(response.status().as_u16(), 200);
+        let content_type = response.headers().get("content-type").unwrap().to_str().unwrap().to_string();
+        assert!(content_type.starts_with("text/event-stream"), "{content_type}");
+        Events { reader: BufReader::new(Box::new(response.into_body().into_reader())) }
+    }
+
+    /// Stops the server as Ctrl-C would have, with SIGTERM.
+    pub fn terminate(&self) {
+        let status = Command::new("kill").args(["-TERM", &self.pid().to_string()]).status().unwrap();
+        assert!(status.success());
+    }
+
+    /// Waits (boundedly) for the server to exit; its exit code.
+    pub fn wait(&mut self, limit: Duration) -> Option<i32> {
+        let start = std::time::Instant::now();
+        while start.elapsed() < limit {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code();
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The data lines of a stream of server-sent events.
+pub struct Events {
+    reader: BufReader<Box<dyn Read + Send>>,
+}
+
+impl Events {
+    /// The next event's data (`[DONE]` included), or None at the end of the stream.
+    pub fn next_data(&mut self) -> Option<String> {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            if self.reader.read_line(&mut line).ok()? == 0 {
+                return None;
+            }
+            if let Some(data) = line.trim_end().strip_prefix("data:") {
+                return Some(data.trim_start().to_string());
+            }
+        }
+    }
+
+    /// Every chunk up to `[DONE]`, parsed; panics if the stream ends without it.
+    pub fn collect(mut self) -> Vec<serde_json::Value> {
+        let mut chunks = Vec::new();
+        while let Some(data) = self.next_data() {
+            if data == "[DONE]" {
+                return chunks;
+            }
+            chunks.push(serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}")));
+        }
+        panic!("the stream ended without [DONE] after {} chunks", chunks.len());
+    }
+}
+
+/// The text of a streamed chat completion: its deltas, joined.
+pub fn streamed_text(chunks: &[serde_json::Value]) -> String {
+    chunks
+        .iter()
+        .filter_map(|c| c["choices"].get(0))
+        .filter_map(|choice| choice["delta"]["content"].as_str().or(choice["text"].as_str()))
+        .collect()
+}

@@ -1,0 +1,321 @@
+//! `sift serve` through a real HTTP client: greedy replies equal `sift run --chat` and `sift chat`,
+//! stop strings, a client that leaves mid-stream, the bounded queue, OpenAI's errors and a
+//! graceful stop. Every server listens on 127.0.0.1 and is killed at the end of its test.
+
+mod common;
+
+use std::io::Write;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::server::{streamed_text, Server};
+use serde_json::{json, Value};
+
+const QUESTION: &str = "What is the capital of France?";
+
+/// `sift run --chat` on the default model, greedy: the reference reply.
+fn run_chat(message: &str, n: usize) -> String {
+    let model = common::default_model();
+    let o = Command::new(env!("CARGO_BIN_EXE_sift"))
+        .args(["run", "--quiet", "--chat", "--temp", "0", "--json", "-n", &n.to_string(), "-p", message, "-m"])
+        .arg(model)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let json: Value = serde_json::from_slice(&o.stdout).unwrap();
+    json["text"].as_str().unwrap().to_string()
+}
+
+fn greedy(messages: Value, n: usize) -> Value {
+    json!({ "model": "any", "messages": messages, "temperature": 0, "max_tokens": n })
+}
+
+fn content(response: &Value) -> &str {
+    response["choices"][0]["message"]["content"].as_str().unwrap()
+}
+
+#[test]
+fn greedy_chat_completions_equal_sift_run_streamed_or_not() {
+    common::default_model();
+    let server = Server::start(&[]);
+    let want = run_chat(QUESTION, 24);
+    assert!(!want.is_empty());
+
+    let (status, whole) =
+        server.post("/v1/chat/completions", &greedy(json!([{"role": "user", "content": QUESTION}]), 24));
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(content(&whole), want);
+    assert_eq!(whole["object"], "chat.completion");
+    assert_eq!(whole["choices"][0]["finish_reason"], "length");
+    assert_eq!(whole["usage"]["completion_tokens"], 24);
+    assert_eq!(whole["choices"][0]["x_sift"]["attention"]["kind"], "dense");
+    assert_eq!(whole["choices"][0]["x_sift"]["attention"]["epsilon"], 0.0);
+
+    let mut request = greedy(json!([{"role": "user", "content": [{"type": "text", "text": QUESTION}]}]), 24);
+    request["stream"] = json!(true);
+    request["stream_options"] = json!({ "include_usage": true });
+    let chunks = server.stream("/v1/chat/completions", &request).collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.len() > 3, "streamed in pieces: {chunks:?}");
+    assert_eq!(streamed_text(&chunks), want);
+    let last = &chunks[chunks.len() - 2];
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    let usage = &chunks[chunks.len() - 1]["usage"];
+    assert_eq!(
+        (usage["prompt_tokens"].as_u64(), usage["completion_tokens"].as_u64()),
+        (whole["usage"]["prompt_tokens"].as_u64(), Some(24))
+    );
+
+    let (status, models) = server.get("/v1/models", &[]);
+    assert_eq!(status, 200);
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(models["data"][0]["id"], "gemma-3-270m-Q4_K_M");
+}
+
+/// The second turn of a conversation reuses the cache and replies as `sift chat` does.
+#[test]
+fn the_next_turn_reuses_the_cache_and_replies_as_sift_chat() {
+    let model = common::default_model();
+    let second = "And of Germany?";
+    let saved = std::env::temp_dir().join(format!("sift-serve-chat-{}.json", std::process::id()));
+    let input = format!("{QUESTION}\n{second}\n/save {}\n", saved.display());
+    let o = common::sift_with_stdin(
+        &["chat", "--quiet", "--temp", "0", "-n", "12", "-m", model.to_str().unwrap()],
+        input.as_bytes(),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let chat: Value = serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    std::fs::remove_file(&saved).unwrap();
+    let replies: Vec<&str> = chat["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .skip(1)
+        .step_by(2)
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(replies.len(), 2, "{chat}");
+
+    let server = Server::start(&[]);
+    let first = json!([{"role": "user", "content": QUESTION}]);
+    let (_, one) = server.post("/v1/chat/completions", &greedy(first, 12));
+    assert_eq!(content(&one), replies[0]);
+    assert_eq!(one["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let history = json!([
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": content(&one)},
+        {"role": "user", "content": second},
+    ]);
+    let (_, two) = server.post("/v1/chat/completions", &greedy(history, 12));
+    assert_eq!(content(&two), replies[1]);
+    let cached = two["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let first_prompt = one["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(cached > first_prompt, "the first turn stays in the cache: {cached} of {}", two["usage"]);
+}
+
+#[test]
+fn stop_strings_end_the_reply_before_them() {
+    common::default_model();
+    let server = Server::start(&[]);
+    let prompt = json!({ "prompt": "The capital of France is", "temperature": 0, "max_tokens": 12 });
+    let (status, free) = server.post("/v1/completions", &prompt);
+    assert_eq!(status, 200, "{free}");
+    let text = free["choices"][0]["text"].as_str().unwrap().to_string();
+    // A word from the middle of the greedy text: the reply must end just before it.
+    let word = text.split_whitespace().nth(2).unwrap_or_else(|| panic!("too short: {text:?}"));
+    let cut = &text[..text.find(word).unwrap()];
+    for stop in [json!(word), json!(["\u{1F600}", word])] {
+        let mut request = prompt.clone();
+        request["stop"] = stop;
+        let (_, stopped) = server.post("/v1/completions", &request);
+        assert_eq!(stopped["choices"][0]["text"], cut, "stop {word:?} in {text:?}");
+        assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+        request["stream"] = json!(true);
+        let chunks = server.stream("/v1/completions", &request).collect();
+        assert_eq!(streamed_text(&chunks), cut);
+    }
+}
+
+#[test]
+fn a_client_that_leaves_mid_stream_frees_the_server() {
+    common::default_model();
+    let server = Server::start(&[]);
+    let short = json!({ "prompt": "Hello", "max_tokens": 1, "temperature": 0 });
+    let (_, alone) = server.post("/v1/completions", &short);
+    let long = json!({ "prompt": "Once upon a time", "max_tokens": 4000, "stream": true, "seed": 1 });
+    let mut events = server.stream("/v1/completions", &long);
+    for _ in 0..3 {
+        assert!(events.next_data().is_some());
+    }
+    let started = Instant::now();
+    drop(events);
+    let (status, after) = server.post("/v1/completions", &short);
+    let waited = started.elapsed();
+    assert_eq!(status, 200, "{after}");
+    assert_eq!(after["choices"][0]["text"], alone["choices"][0]["text"]);
+    // A token costs well under a second here; the abandoned reply had thousands to go.
+    assert!(waited < Duration::from_secs(20), "the next request waited {waited:?}");
+
+    // The same for a client that waits for a whole reply and gives up.
+    let body = json!({ "prompt": "Once upon a time", "max_tokens": 4000 }).to_string();
+    let mut client = std::net::TcpStream::connect(server.base.trim_start_matches("http://")).unwrap();
+    let head = format!("POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", body.len());
+    client.write_all(head.as_bytes()).and_then(|_| client.write_all(body.as_bytes())).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let started = Instant::now();
+    drop(client);
+    let (status, after) = server.post("/v1/completions", &short);
+    assert_eq!(status, 200, "{after}");
+    assert!(started.elapsed() < Duration::from_secs(20), "the next request waited {:?}", started.elapsed());
+}
+
+#[test]
+fn past_the_queue_requests_get_503_with_retry_after() {
+    common::default_model();
+    let server = Server::start(&["--queue", "1"]);
+    let long = json!({ "prompt": "Once upon a time", "max_tokens": 4000, "stream": true });
+    let mut events = server.stream("/v1/completions", &long);
+    assert!(events.next_data().is_some(), "the long reply is being served");
+    // One of two more requests waits in the queue of one; the other is refused at once.
+    let body = json!({ "prompt": "Hello", "max_tokens": 2 }).to_string();
+    let results = std::thread::scope(|scope| {
+        let waiting: Vec<_> =
+            (0..2).map(|_| scope.spawn(|| server.post_raw("/v1/completions", body.as_bytes(), &[]))).collect();
+        std::thread::sleep(Duration::from_secs(3));
+        drop(events);
+        waiting.into_iter().map(|t| t.join().unwrap()).collect::<Vec<_>>()
+    });
+    let mut statuses: Vec<u16> = results.iter().map(|r| r.0).collect();
+    statuses.sort();
+    assert_eq!(statuses, [200, 503], "{results:?}");
+    let refused = results.iter().find(|r| r.0 == 503).unwrap();
+    assert_eq!(refused.2.as_deref(), Some("1"));
+    let error: Value = serde_json::from_str(&refused.1).unwrap();
+    assert_eq!(error["error"]["code"], "queue_full");
+}
+
+/// `{"error": {"message", "type", ...}}` with the status expected.
+fn assert_error(got: (u16, String, Option<String>), status: u16, needle: &str) {
+    assert_eq!(got.0, status, "{}", got.1);
+    let body: Value = serde_json::from_str(&got.1).unwrap_or_else(|e| panic!("{e}: {}", got.1));
+    let message = body["error"]["message"].as_str().unwrap_or_else(|| panic!("no error.message: {body}"));
+    assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+    assert!(body["error"]["type"].is_string(), "{body}");
+}
+
+#[test]
+fn bad_requests_get_openais_errors_with_the_right_status() {
+    common::default_model();
+    let server = Server::start(&["--api-key", "sesame", "--max-body", "2048", "-c", "64"]);
+    let key = [("Authorization", "Bearer sesame")];
+    let chat = |body: &str, headers: &[(&str, &str)]| server.post_raw("/v1/chat/completions", body.as_bytes(), headers);
+    let hello = r#"{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}"#;
+
+    assert_error(chat(hello, &[]), 401, "API key");
+    assert_error(chat(hello, &[("Authorization", "Bearer sesamE")]), 401, "API key");
+    assert_error(server.get("/v1/models", &[]).into_error(), 401, "API key");
+    assert_eq!(server.get("/health", &[]).0, 200, "/health needs no key");
+    assert_eq!(chat(hello, &key).0, 200);
+
+    assert_error(chat("{\"messages\": [", &key), 400, "not a valid request");
+    assert_error(chat(r#"{"messages": "Hi"}"#, &key), 400, "not a valid request");
+    assert_error(chat(r#"{"messages": [], "temperature": "hot"}"#, &key), 400, "not a valid request");
+    assert_error(
+        chat(r#"{"messages": [{"role": "user", "content": "Hi"}], "temperature": 7}"#, &key),
+        400,
+        "temperature",
+    );
+    assert_error(chat(r#"{"messages": [{"role": "tool", "content": "Hi"}]}"#, &key), 400, "role");
+    let long = format!(r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#, "word ".repeat(200));
+    assert_error(chat(&long, &key), 400, "but the context holds 64");
+    let oversized = format!(r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#, "x".repeat(4000));
+    assert_error(chat(&oversized, &key), 413, "larger than the limit");
+    assert_error(server.get("/v2/nothing", &key).into_error(), 404, "/v2/nothing");
+    assert_eq!(chat(hello, &key).0, 200, "still serving after the errors");
+}
+
+trait IntoError {
+    fn into_error(self) -> (u16, String, Option<String>);
+}
+
+impl IntoError for (u16, String) {
+    fn into_error(self) -> (u16, String, Option<String>) {
+        (self.0, self.1, None)
+    }
+}
+
+#[test]
+fn sigterm_lets_the_reply_in_flight_finish() {
+    common::default_model();
+    let mut server = Server::start(&[]);
+    let request = json!({ "prompt": "Once upon a time", "max_tokens": 16, "stream": true, "temperature": 0 });
+    let mut events = server.stream("/v1/completions", &request);
+    assert!(events.next_data().is_some());
+    server.terminate();
+    let mut rest = Vec::new();
+    while let Some(data) = events.next_data() {
+        rest.push(data);
+    }
+    assert_eq!(rest.last().map(String::as_str), Some("[DONE]"), "the reply ended whole: {rest:?}");
+    assert_eq!(server.wait(Duration::from_secs(30)), Some(0));
+}
+
+#[test]
+fn the_chat_page_is_served_whole() {
+    common::default_model();
+    let server = Server::start(&["--api-key", "sesame"]);
+    let (status, page) = server.get("/", &[]);
+    assert_eq!(status, 200);
+    assert!(page.starts_with("<!doctype html>") && page.contains("/v1/chat/completions"), "{page}");
+    assert!(!page.contains("src=\"http") && !page.contains("href=\"http"), "nothing from elsewhere");
+}
+
+/// Greedy decoding picks the most likely token, so each position's own log-probability must be
+/// the first of its alternatives, and the tokens' bytes must spell the reply.
+#[test]
+fn logprobs_describe_the_tokens_of_the_reply_whole_and_streamed() {
+    common::default_model();
+    let server = Server::start(&[]);
+    let mut request = greedy(json!([{"role": "user", "content": QUESTION}]), 12);
+    request["logprobs"] = json!(true);
+    request["top_logprobs"] = json!(3);
+    let (status, whole) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{whole}");
+    let positions = whole["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    assert_eq!(positions.len() as u64, whole["usage"]["completion_tokens"].as_u64().unwrap());
+    let mut bytes = Vec::new();
+    for position in &positions {
+        let top = position["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{position}");
+        let logprob = position["logprob"].as_f64().unwrap();
+        assert!(logprob <= 0.0 && logprob == top[0]["logprob"].as_f64().unwrap(), "{position}");
+        assert!(top.windows(2).all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()), "{position}");
+        bytes.extend(position["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8));
+    }
+    assert_eq!(String::from_utf8(bytes).unwrap(), content(&whole));
+
+    request["stream"] = json!(true);
+    let chunks = server.stream("/v1/chat/completions", &request).collect();
+    let streamed: Vec<&Value> =
+        chunks.iter().filter_map(|c| c["choices"][0]["logprobs"]["content"].as_array()).flatten().collect();
+    assert_eq!(streamed.len(), positions.len());
+    for (streamed, whole) in streamed.iter().zip(&positions) {
+        assert_eq!((&streamed["token"], &streamed["logprob"]), (&whole["token"], &whole["logprob"]));
+    }
+}
+
+/// With a sparse policy, each choice carries that policy's certificate, not dense attention's.
+#[test]
+fn x_sift_carries_the_policys_certificate() {
+    common::default_model();
+    let server = Server::start(&["--attn", "topk", "--topk-pages", "1"]);
+    // Past sift::attn::SPARSE_MIN_VISIBLE positions, so that decoding steps go sparse.
+    let prompt = "The history of the city begins long ago. ".repeat(130);
+    let (status, reply) =
+        server.post("/v1/completions", &json!({ "prompt": prompt, "max_tokens": 3, "temperature": 0 }));
+    assert!(reply["usage"]["prompt_tokens"].as_u64().unwrap() > sift::attn::SPARSE_MIN_VISIBLE as u64, "{reply}");
+    assert_eq!(status, 200, "{reply}");
+    let attention = &reply["choices"][0]["x_sift"]["attention"];
+    assert_eq!(attention["kind"], "topk", "{reply}");
+    assert_ne!(attention["epsilon"], 0.0, "top-k promises no exactness: {attention}");
+}

@@ -1,0 +1,46 @@
+"""The official `openai` client against `sift serve`: one chat completion whole, one streamed.
+
+Usage: serve_openai.py BASE_URL MESSAGE MAX_TOKENS. Prints one JSON object with the model list
+and both replies' text, for tests/serve_python.rs to compare with `sift run --chat`.
+"""
+
+import json
+import sys
+
+from openai import OpenAI
+
+
+def main() -> None:
+    base, message, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    client = OpenAI(base_url=base + "/v1", api_key="sesame", max_retries=0, timeout=300)
+    models = [m.id for m in client.models.list()]
+    request = dict(
+        model=models[0],
+        messages=[{"role": "user", "content": message}],
+        temperature=0,
+        max_tokens=max_tokens,
+    )
+    whole = client.chat.completions.create(**request)
+    streamed = []
+    finish = None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        if chunk.choices:
+            streamed.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    print(
+        json.dumps(
+            {
+                "models": models,
+                "whole": whole.choices[0].message.content,
+                "whole_finish": whole.choices[0].finish_reason,
+                "completion_tokens": whole.usage.completion_tokens,
+                "streamed": "".join(streamed),
+                "streamed_chunks": len(streamed),
+                "streamed_finish": finish,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+//! The official `openai` Python client talking to `sift serve`, whole and streamed: both give the
+//! greedy reply of `sift run --chat`. The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a
+//! virtual environment with `openai` in it), else `python3`; without the package the test says
+//! it is skipped, except under CI, where it fails.
+
+mod common;
+
+use std::process::Command;
+
+use common::server::Server;
+use serde_json::Value;
+
+#[test]
+fn the_openai_python_client_gets_the_greedy_reply_whole_and_streamed() {
+    let python = std::env::var("SIFT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_openai = Command::new(&python).args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
+    if !has_openai {
+        assert!(std::env::var_os("CI").is_none(), "{python} cannot import openai; .ci/run installs it");
+        eprintln!("SKIPPED the openai client test: {python} cannot import openai (pip install openai)");
+        return;
+    }
+    let model = common::default_model();
+    let message = "Name three colours.";
+    let reference = Command::new(env!("CARGO_BIN_EXE_sift"))
+        .args(["run", "--quiet", "--chat", "--temp", "0", "--json", "-n", "20", "-p", message, "-m"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    assert!(reference.status.success());
+    let reference: Value = serde_json::from_slice(&reference.stdout).unwrap();
+
+    let server = Server::start(&["--api-key", "sesame"]);
+    let script = common::repo_root().join("tests/serve_openai.py");
+    let o = Command::new(&python).arg(script).args([&server.base, message, "20"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(got["models"][0], "gemma-3-270m-Q4_K_M");
+    assert_eq!(got["whole"], reference["text"]);
+    assert_eq!(got["streamed"], reference["text"]);
+    assert!(got["streamed_chunks"].as_u64().unwrap() > 2, "{got}");
+    assert_eq!(got["completion_tokens"], reference["tokens"]);
+    let finish = if reference["stop"] == "token_limit" { "length" } else { "stop" };
+    assert_eq!((got["whole_finish"].as_str(), got["streamed_finish"].as_str()), (Some(finish), Some(finish)));
+}
