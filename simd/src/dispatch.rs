@@ -133,19 +133,24 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA and F16C.
     Avx2,
+    /// AVX2 with AVX-VNNI: the integer dot products in the VEX form of
+    /// `vpdpbusd` (Intel desktop CPUs from Alder Lake, AMD from Zen 5),
+    /// everything else as AVX2.
+    AvxVnni,
     /// x86-64 AVX-512 F/BW/VL with VNNI (plus AVX2, FMA, F16C).
     Avx512,
 }
 
 impl Isa {
     /// Every ISA, slowest first.
-    pub const ALL: [Isa; 3] = [Isa::Scalar, Isa::Avx2, Isa::Avx512];
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512];
 
     /// The lowercase name used by `SIFT_ISA` and `--isa`.
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avxvnni",
             Isa::Avx512 => "avx512",
         }
     }
@@ -161,6 +166,8 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => Isa::Avx2.is_supported() && std::arch::is_x86_feature_detected!("avxvnni"),
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => {
                 Isa::Avx2.is_supported()
                     && std::arch::is_x86_feature_detected!("avx512f")
@@ -169,7 +176,7 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("avx512vnni")
             }
             #[cfg(not(target_arch = "x86_64"))]
-            Isa::Avx2 | Isa::Avx512 => false,
+            Isa::Avx2 | Isa::AvxVnni | Isa::Avx512 => false,
         }
     }
 
@@ -190,13 +197,13 @@ impl core::fmt::Display for Isa {
     }
 }
 
-/// An ISA name other than `scalar`, `avx2` or `avx512`.
+/// An ISA name other than `scalar`, `avx2`, `avxvnni` or `avx512`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParseIsaError(pub String);
 
 impl core::fmt::Display for ParseIsaError {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(f, "unknown ISA {:?} (expected scalar, avx2 or avx512)", self.0)
+        write!(f, "unknown ISA {:?} (expected scalar, avx2, avxvnni or avx512)", self.0)
     }
 }
 
@@ -258,7 +265,7 @@ static KERNELS: OnceLock<Kernels> = OnceLock::new();
 
 /// The process-wide kernel table, chosen on first use: the ISA forced by
 /// [`select_isa`], else the one named by the `SIFT_ISA` environment variable
-/// (`scalar`, `avx2`, `avx512` or `auto`), else the best this CPU supports. An unknown
+/// (`scalar`, `avx2`, `avxvnni`, `avx512` or `auto`), else the best this CPU supports. An unknown
 /// or unsupported `SIFT_ISA` value falls back to the best ISA with a warning on stderr.
 pub fn kernels() -> &'static Kernels {
     KERNELS.get_or_init(|| {

@@ -39,6 +39,7 @@ use std::str::FromStr;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use half::vec::HalfBitsVecExt;
 
 use super::quant::{norm_bound, Bits, ValueRows};
 use super::sketch::{KeySketch, PageKeys, PAGE};
@@ -211,11 +212,11 @@ impl PagedLayer {
             window,
             exact_slots,
             coded_slots,
-            exact_k: vec![f16::ZERO; n * exact_slots * PAGE * shape.head_dim_k],
-            exact_v: vec![f16::ZERO; n * exact_slots * PAGE * shape.head_dim_v],
+            exact_k: zeroed_halves(n * exact_slots * PAGE * shape.head_dim_k),
+            exact_v: zeroed_halves(n * exact_slots * PAGE * shape.head_dim_v),
             sink,
-            sink_k: vec![f16::ZERO; n * sink * shape.head_dim_k],
-            sink_v: vec![f16::ZERO; n * sink * shape.head_dim_v],
+            sink_k: zeroed_halves(n * sink * shape.head_dim_k),
+            sink_v: zeroed_halves(n * sink * shape.head_dim_v),
             sketches,
             values,
             exact_norms: vec![0.0; n * exact_slots],
@@ -534,6 +535,15 @@ pub enum Rows<'a, C> {
     Exact(&'a [f16]),
     /// These rows of a coded page.
     Coded(&'a C, Range<usize>),
+}
+
+/// `n` zero halves in memory the system commits only as it is written: the
+/// cache's rows are written as tokens arrive, so a context costs memory as it
+/// fills rather than all at once.
+fn zeroed_halves(n: usize) -> Vec<f16> {
+    // `vec!` of a zero integer asks the allocator for zeroed memory, which
+    // for a large block is fresh pages from the system.
+    vec![0u16; n].reinterpret_into()
 }
 
 /// The rows of one page of exact `rows` (`[head][slot][token][dim]`).

@@ -6,7 +6,7 @@
 //! activation quantizers). Integer kernels are written once, as `#[inline(always)]`
 //! functions generic over an [`IsaOps`] implementation that supplies the few
 //! instructions that differ: above all the u8×i8 dot product of four-byte groups
-//! (`vpmaddubsw`+`vpmaddwd` on AVX2, `vpdpbusd` on AVX-512 VNNI, which also takes
+//! (`vpmaddubsw`+`vpmaddwd` on AVX2, `vpdpbusd` on AVX-512 VNNI and AVX-VNNI, which also takes
 //! unsigned bytes above 128). The [`x86_entries!`]
 //! macro then instantiates each kernel inside a `#[target_feature]` entry point per ISA,
 //! where LLVM inlines everything and compiles it with that ISA's instructions.
@@ -87,6 +87,8 @@ pub(crate) trait IsaOps {
 
 /// AVX2 + FMA + F16C.
 pub(crate) struct Avx2;
+/// AVX2 + FMA + F16C + AVX-VNNI.
+pub(crate) struct AvxVnni;
 /// AVX-512 F/BW/VL + VNNI (and everything [`Avx2`] has).
 pub(crate) struct Avx512;
 
@@ -112,6 +114,28 @@ impl IsaOps for Avx2 {
     unsafe fn add_where(v: __m256i, bits: [u8; 4], b: __m256i) -> __m256i {
         // SAFETY: the caller runs with AVX2 enabled.
         unsafe { _mm256_add_epi8(v, _mm256_and_si256(bits32(bits), b)) }
+    }
+}
+
+impl IsaOps for AvxVnni {
+    const BYTE_DP: bool = true;
+
+    #[inline(always)]
+    unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        // SAFETY: the caller runs with AVX-VNNI enabled.
+        unsafe { _mm256_dpbusd_avx_epi32(acc, u, s) }
+    }
+
+    #[inline(always)]
+    unsafe fn dp16(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        // SAFETY: the caller runs with AVX-VNNI enabled.
+        unsafe { _mm256_dpwssd_avx_epi32(acc, a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn add_where(v: __m256i, bits: [u8; 4], b: __m256i) -> __m256i {
+        // SAFETY: the caller runs with AVX2 enabled.
+        unsafe { Avx2::add_where(v, bits, b) }
     }
 }
 
@@ -223,12 +247,13 @@ pub(crate) fn bits32(qh: [u8; 4]) -> __m256i {
 
 /// Defines, for a weight format `$W` of a family (`block32` or `superblock`, whose
 /// `dot_rows` and `Tiled<$W>` give the row and tile kernels) with activations `$A`,
-/// the modules `avx2` and `avx512`, each with the byte-level table entries `dot`,
+/// the modules `avx2`, `avxvnni` and `avx512`, each with the byte-level table entries `dot`,
 /// `dot_rows` and `dot_tile` compiled for that ISA.
 macro_rules! x86_entries {
     ($family:ident, $W:ty, $A:ty) => {
         // The feature lists are those `Isa::is_supported` checks.
         $crate::x86::x86_entries!(@isa avx2, $crate::x86::Avx2, "avx2,fma,f16c", $family, $W, $A);
+        $crate::x86::x86_entries!(@isa avxvnni, $crate::x86::AvxVnni, "avx2,fma,f16c,avxvnni", $family, $W, $A);
         $crate::x86::x86_entries!(
             @isa avx512, $crate::x86::Avx512,
             "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni", $family, $W, $A
@@ -311,6 +336,13 @@ pub(crate) unsafe fn register(k: &mut Kernels, isa: Isa) {
             k.set_attention(attention::AVX2);
             k.set_sketch(sketch::AVX2);
         }
+        Isa::AvxVnni => {
+            set!(avxvnni: Q8_0 => q8_0, Q4_0 => q4_0, Q5_0 => q5_0, Q4_1 => q4_1, Q5_1 => q5_1,
+                 Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k);
+            float::register_avx2(k);
+            k.set_attention(attention::AVX2);
+            k.set_sketch(sketch::AVXVNNI);
+        }
         Isa::Avx512 => {
             set!(avx512: Q8_0 => q8_0, Q4_0 => q4_0, Q5_0 => q5_0, Q4_1 => q4_1, Q5_1 => q5_1,
                  Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k);
@@ -319,7 +351,7 @@ pub(crate) unsafe fn register(k: &mut Kernels, isa: Isa) {
             k.set_sketch(sketch::AVX512);
         }
     }
-    // AVX-512 implies AVX2: both use the AVX2 quantizers.
+    // Every x86 table has AVX2 and uses its quantizers.
     k.set_quantize(ActivationType::Q8_0, quantize::q8_0_avx2);
     k.set_quantize(ActivationType::Q8_1, quantize::q8_1_avx2);
     k.set_quantize(ActivationType::Q8_K, quantize::q8_k_avx2);

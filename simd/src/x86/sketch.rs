@@ -1,4 +1,4 @@
-//! The sketch scan's integer dots on AVX2 and AVX-512 VNNI, one body over
+//! The sketch scan's integer dots on AVX2, AVX-VNNI and AVX-512 VNNI, one body over
 //! [`IsaOps::dp`]: 32 code bytes at a time, each field of them (the low and
 //! high nibbles of 4-bit codes, the four bit pairs of 2-bit ones) shifted and
 //! masked into bytes and multiplied with the matching plane of weights.
@@ -7,12 +7,13 @@
 //! with saturation) and `vpmaddwd` by ones. The codes are below 16 and the
 //! weights at least −128, so a pair sums to at most 2·15·128 = 3840 in
 //! magnitude: far from i16's 32767, no saturation. On AVX-512 VNNI `dp` is
-//! `vpdpbusd`, which sums four products into i32 without saturating at all.
+//! (and AVX-VNNI, its VEX form) `vpdpbusd`, which sums four products into
+//! i32 without saturating at all.
 //! The ymm form serves both: Zen 4 runs zmm operations as two ymm halves.
 
 use core::arch::x86_64::*;
 
-use super::{load32, reduce8x8, Avx2, Avx512, IsaOps};
+use super::{load32, reduce8x8, Avx2, Avx512, AvxVnni, IsaOps};
 use crate::dispatch::SketchKernels;
 use crate::sketch::{BlockDots, Bounds, SketchCodes, SketchQuery};
 
@@ -138,10 +139,14 @@ macro_rules! sketch_entries {
 
 // The feature lists are those `Isa::is_supported` checks.
 sketch_entries!(avx2, Avx2, "avx2,fma,f16c");
+sketch_entries!(avxvnni, AvxVnni, "avx2,fma,f16c,avxvnni");
 sketch_entries!(avx512, Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
 
 /// The AVX2 scan entries.
 pub(super) const AVX2: SketchKernels = SketchKernels { dots: avx2::dots, bounds: avx2::bounds };
+
+/// The AVX-VNNI scan entries.
+pub(super) const AVXVNNI: SketchKernels = SketchKernels { dots: avxvnni::dots, bounds: avxvnni::bounds };
 
 /// The AVX-512 VNNI scan entries.
 pub(super) const AVX512: SketchKernels = SketchKernels { dots: avx512::dots, bounds: avx512::bounds };
