@@ -333,7 +333,13 @@ pub fn audit_token(
     let Some(audit) = audit else {
         return ControlFlow::Continue(());
     };
-    match audit.token(&AuditRecord::new(sampled, tokenizer, turn)) {
+    // The attention lines of the step that computed the logits, which ran the token before.
+    let position = sampled.position.saturating_sub(1);
+    let rows = sampled.attention.iter().filter_map(|r| AttentionRow::new(r, turn, None, sampled.step, position));
+    let written = audit
+        .token(&AuditRecord::new(sampled, tokenizer, turn))
+        .and_then(|()| rows.into_iter().try_for_each(|row| audit.attention(&row)));
+    match written {
         Ok(()) => ControlFlow::Continue(()),
         Err(e) => {
             *failure = Some(e);

@@ -59,7 +59,9 @@ impl<'m> Session<'m> {
         Self::with_policy(model, n_ctx, batch, storage, Box::new(Dense))
     }
 
-    /// A session whose attention is `policy`'s (`--attn`).
+    /// A session whose attention is `policy`'s (`--attn`). The f16 cache
+    /// builds key sketches when the policy reads them, whatever `storage`
+    /// says.
     pub fn with_policy(
         model: &'m Model<'m>,
         n_ctx: usize,
@@ -68,6 +70,7 @@ impl<'m> Session<'m> {
         policy: Box<dyn AttentionPolicy>,
     ) -> Self {
         let batch = batch.clamp(1, n_ctx.max(1));
+        let storage = Storage { key_sketch: storage.key_sketch || policy.reads_sketch(), ..storage };
         Self {
             model,
             cache: KvCache::new(&model.cache_shape(), storage, n_ctx, batch),

@@ -58,7 +58,8 @@ struct Fixture {
 impl Fixture {
     fn new(mode: KvMode, seed: u64) -> Self {
         let shape = CacheShape { n_kv_head: N_KV_HEAD, head_dim_k: DIM_K, head_dim_v: DIM_V, windows: vec![None] };
-        let mut layer = PagedLayer::new(Storage { mode, ..Storage::default() }, &shape, None, LEN, 1);
+        let storage = Storage { mode, key_sketch: true, ..Storage::default() };
+        let mut layer = PagedLayer::new(storage, &shape, None, LEN, 1);
         let mut rng = Rng(seed);
         let lean: Vec<f64> = (0..LEN.div_ceil(PAGE)).map(|_| 3.0 * rng.unit().powi(4)).collect();
         let (mut keys, mut values) = (Vec::new(), Vec::new());
@@ -260,4 +261,65 @@ fn perplexity_through_decoding_steps_is_the_batched_one() {
     let (batched, decoded) = (ppl(Scoring::Batched), ppl(Scoring::Decoded));
     eprintln!("PPL batched {batched}, decoded {decoded}");
     assert!((decoded / batched - 1.0).abs() < 1e-4, "batched {batched} vs decoded {decoded}");
+}
+
+/// `sift ARGS` with the default model, `stdin` piped in.
+fn sift(args: &[&str], stdin: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sift"))
+        .args(args)
+        .env("SIFT_MODEL", common::default_model())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(stdin).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+/// `sift run --attn topk --audit --audit-out`: every decoding step past 1024
+/// positions gets a checked line per global layer and query head, and each
+/// token line the step's certificate.
+#[test]
+fn run_writes_the_audit_of_a_sparse_policy() {
+    let prompt = "The sea was calm and the sky was clear, and the ship sailed on toward the north. ".repeat(70);
+    let path = std::env::temp_dir().join(format!("sift-attn-audit-{}.jsonl", std::process::id()));
+    let args = ["run", "-p", "-", "--temp", "0", "-n", "3", "--attn", "topk", "--topk-pages", "2", "--audit"];
+    let out = sift(&[&args[..], &["--audit-out", path.to_str().unwrap(), "--quiet"]].concat(), prompt.as_bytes());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines[0]["attention"], "topk");
+    let of = |kind: &'static str| lines.iter().filter(move |l| l["type"] == kind);
+    assert_eq!(of("token").count(), 3);
+    // The first token comes from the prompt's batches, which are dense; the
+    // two decoding steps after it are sparse on Gemma 3's 3 global layers.
+    assert_eq!(of("token").next().unwrap()["attention"]["kind"], "dense");
+    assert!(of("token").skip(1).all(|t| t["attention"]["kind"] == "topk" && t["attention"]["epsilon"].is_null()));
+    let rows: Vec<_> = of("attention").collect();
+    assert_eq!(rows.len(), 2 * 3 * 4, "2 steps x 3 global layers x 4 query heads");
+    for row in rows {
+        let (keys, visible) = (row["keys_read"].as_u64().unwrap(), row["visible"].as_u64().unwrap());
+        assert!(visible > 1024 && keys < visible, "{row}");
+        assert!(row["error"].as_f64().unwrap() >= 0.0 && row["violated"] == false, "{row}");
+        assert_eq!(row["position"].as_u64().unwrap() + 1, visible, "{row}");
+    }
+}
+
+#[test]
+fn bad_attention_settings_are_one_line_usage_errors() {
+    for (args, message) in [
+        (&["--eps", "0"][..], "--eps must be a positive number"),
+        (&["--delta", "1"][..], "--delta must lie strictly between 0 and 1"),
+        (&["--attn", "topk", "--topk-pages", "0"][..], "--topk-pages must be at least 1"),
+    ] {
+        let out = sift(&[&["run", "-p", "hi", "-n", "1"][..], args].concat(), b"");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(message), "{args:?}: {err}");
+    }
 }

@@ -303,3 +303,19 @@ fn logprobs_describe_the_tokens_of_the_reply_whole_and_streamed() {
         assert_eq!((&streamed["token"], &streamed["logprob"]), (&whole["token"], &whole["logprob"]));
     }
 }
+
+/// With a sparse policy, each choice carries that policy's certificate, not dense attention's.
+#[test]
+fn x_sift_carries_the_policys_certificate() {
+    common::default_model();
+    let server = Server::start(&["--attn", "topk", "--topk-pages", "1"]);
+    // Past sift::attn::SPARSE_MIN_VISIBLE positions, so that decoding steps go sparse.
+    let prompt = "The history of the city begins long ago. ".repeat(130);
+    let (status, reply) =
+        server.post("/v1/completions", &json!({ "prompt": prompt, "max_tokens": 3, "temperature": 0 }));
+    assert!(reply["usage"]["prompt_tokens"].as_u64().unwrap() > sift::attn::SPARSE_MIN_VISIBLE as u64, "{reply}");
+    assert_eq!(status, 200, "{reply}");
+    let attention = &reply["choices"][0]["x_sift"]["attention"];
+    assert_eq!(attention["kind"], "topk", "{reply}");
+    assert_ne!(attention["epsilon"], 0.0, "top-k promises no exactness: {attention}");
+}

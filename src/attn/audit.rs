@@ -288,3 +288,54 @@ impl fmt::Display for AuditTable {
         write!(f, ")")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attn::{Certificate, Estimate};
+
+    fn record(layer: usize, kind: AttentionKind, fallback: bool, keys_read: usize, error: f64) -> HeadRecord {
+        let certificate = match kind {
+            AttentionKind::Certified if !fallback => {
+                Certificate { kind, epsilon: 0.1, delta: 0.001, measure: Some(Measure::Value) }
+            }
+            _ => Certificate::DENSE,
+        };
+        HeadRecord {
+            layer,
+            head: 0,
+            certificate,
+            level: None,
+            fallback,
+            visible: 1000,
+            keys_read,
+            bytes_read: keys_read as f64,
+            estimate: Some(Estimate { log_denominator: 0.0, bound: 0.05 }),
+            audit: Some(Checked { measure: Measure::Value, error, dense_bytes: 1000.0, violated: error > 0.1 }),
+        }
+    }
+
+    #[test]
+    fn the_table_counts_kinds_and_takes_nearest_rank_percentiles() {
+        let mut records: Vec<HeadRecord> =
+            (0..9).map(|i| record(5, AttentionKind::Certified, false, 100 * (i + 1), 0.01 * i as f64)).collect();
+        records.push(record(11, AttentionKind::Certified, true, 1000, 0.0));
+        records.push(record(11, AttentionKind::Certified, false, 500, 0.2));
+        let unchecked = HeadRecord { audit: None, ..record(17, AttentionKind::Dense, false, 1000, 0.0) };
+        records.push(unchecked);
+        let table = AuditTable::of(&records, 0.1);
+        assert_eq!((table.calls, table.certified, table.fallbacks, table.violations), (11, 10, 1, 1));
+        let keys: f64 = (1..=9).map(|i| i as f64 / 10.0).sum::<f64>() + 1.0 + 0.5;
+        assert!((table.keys_mean - keys / 11.0).abs() < 1e-12);
+        assert!((table.bytes_vs_dense - keys * 1000.0 / 11_000.0).abs() < 1e-12);
+        // Errors in units of ε: 0, 0, 0.1, ..., 0.8, 2; the median is the 6th of 11.
+        assert!((table.error_p50 - 0.4).abs() < 1e-12, "{}", table.error_p50);
+        assert!((table.error_p90 - 0.8).abs() < 1e-12, "{}", table.error_p90);
+        assert!((table.error_max - 2.0).abs() < 1e-12);
+        let layers = [
+            LayerKinds { layer: 5, dense: 0, certified: 9, topk: 0 },
+            LayerKinds { layer: 11, dense: 1, certified: 1, topk: 0 },
+        ];
+        assert_eq!(table.layers, layers);
+    }
+}

@@ -3,6 +3,7 @@
 
 use clap::Args;
 use sift::attn::audit::Audited;
+use sift::attn::certified::{CertifiedPolicy, Grid, Params, PerturbationSeed};
 use sift::attn::dense::Dense;
 use sift::attn::topk::Topk;
 use sift::attn::{AttentionKind, AttentionPolicy, Measure};
@@ -47,15 +48,17 @@ impl PolicyArgs {
         Ok(())
     }
 
-    /// The policy `kind` with these settings; audited on `--measure` if
-    /// `audit`.
-    pub fn policy(&self, kind: AttentionKind, audit: bool) -> Result<Box<dyn AttentionPolicy>, Usage> {
+    /// The policy `kind` with these settings, its perturbations drawn from
+    /// `seed`; audited on `--measure` if `audit`.
+    pub fn policy(&self, kind: AttentionKind, seed: u64, audit: bool) -> Result<Box<dyn AttentionPolicy>, Usage> {
         self.check()?;
         let policy: Box<dyn AttentionPolicy> = match kind {
             AttentionKind::Dense => Box::new(Dense),
             AttentionKind::Topk => Box::new(Topk::new(self.topk_pages)),
             AttentionKind::Certified => {
-                return Err(Usage("--attn certified is not in this build yet (dense and topk are)".into()))
+                let params =
+                    Params { eps: self.epsilon, delta: self.delta, measure: self.measure, grid: Grid::default() };
+                Box::new(CertifiedPolicy::new(params, PerturbationSeed { seed, fixed: self.fixed_perturbation }))
             }
         };
         Ok(if audit { Box::new(Audited::new(policy, self.measure)) } else { policy })
@@ -73,4 +76,11 @@ pub struct AttentionArgs {
     pub kind: AttentionKind,
     #[command(flatten)]
     pub settings: PolicyArgs,
+}
+
+impl AttentionArgs {
+    /// The policy asked for, perturbed from `seed`; audited if `audit`.
+    pub fn policy(&self, seed: u64, audit: bool) -> Result<Box<dyn AttentionPolicy>, Usage> {
+        self.settings.policy(self.kind, seed, audit)
+    }
 }

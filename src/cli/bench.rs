@@ -53,6 +53,9 @@ pub struct BenchArgs {
     json: bool,
 }
 
+/// The seed of certified attention's perturbations in every test.
+const PERTURBATION_SEED: u64 = 0;
+
 #[derive(serde::Serialize)]
 struct Row {
     test: String,
@@ -99,7 +102,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let storage = Storage { mode, ..Storage::default() };
         let per_token = model.cache_shape().bytes_per_token(mode);
         let session = |n_ctx| -> anyhow::Result<Session> {
-            let policy = args.policy.policy(attn, false)?;
+            let policy = args.policy.policy(attn, PERTURBATION_SEED, false)?;
             Ok(Session::with_policy(&model, n_ctx, DEFAULT_BATCH, storage, policy))
         };
         let row = |test: String, samples, reads: Option<Reads>| Row {

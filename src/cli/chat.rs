@@ -18,8 +18,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::Context;
 use clap::Args;
 use rustyline::error::ReadlineError;
-use sift::attn::dense::Dense;
-use sift::attn::AttentionKind;
 use sift::audit::{audit_token, AuditError, AuditHeader, AuditLog, AuditSummary, ReplySummary};
 use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation, Stats};
@@ -66,20 +64,22 @@ const HELP: &str = "\
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
+    // The sampling seed draws certified attention's perturbations too.
+    let sampling = args.generation.sampling();
+    let policy = args.generation.attention.policy(sampling.seed, args.audit.audit)?;
     let mut audit = args.audit.create()?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
-    let sampling = args.generation.sampling();
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
         audit.header(&AuditHeader::new(
             file.path(),
             model.hp.arch.gguf_name(),
             kv_cache,
-            AttentionKind::Dense,
+            args.generation.attention.kind,
             n_ctx,
             Some(&sampling),
             None,
@@ -96,7 +96,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     }
     let storage = args.generation.cache.storage();
     let mut chat = Chat {
-        conversation: Conversation::new(&model, &tokenizer, n_ctx, storage, Box::new(Dense), sampling),
+        conversation: Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling),
         template,
         messages: Vec::new(),
         max_tokens: args.n_predict,

@@ -26,6 +26,8 @@ use sift::perplexity::PerplexityError;
 use sift::sample::SamplingParams;
 use sift::tokenizer::TokenizerError;
 
+use attn::AttentionArgs;
+
 pub const EXIT_USAGE: u8 = 1;
 pub const EXIT_MODEL: u8 = 2;
 pub const EXIT_CONTEXT: u8 = 3;
@@ -168,6 +170,8 @@ pub struct GenerationArgs {
     pub seed: Option<u64>,
     #[command(flatten)]
     pub cache: CacheArgs,
+    #[command(flatten)]
+    pub attention: AttentionArgs,
 }
 
 /// `--audit-out`, for `run` and `chat`.
@@ -178,6 +182,11 @@ pub struct AuditArgs {
     /// the attention's error bound, and a summary. A regular FILE appears only once complete
     #[arg(long, value_name = "FILE")]
     pub audit_out: Option<PathBuf>,
+    /// Compute exact attention beside the policy at every decoding step and add an `attention`
+    /// line per layer and query head checked to the audit: keys and bytes read, the error on the
+    /// --measure scale, the certificate's bound, whether it was violated
+    #[arg(long, requires = "audit_out")]
+    pub audit: bool,
 }
 
 impl AuditArgs {

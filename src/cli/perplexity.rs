@@ -67,6 +67,9 @@ pub struct PerplexityArgs {
     /// header and a summary, the format of `sift run --audit-out`); implies --audit
     #[arg(long, value_name = "FILE")]
     audit_out: Option<PathBuf>,
+    /// Seed of certified attention's perturbations
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
 }
 
 /// One file's results.
@@ -85,7 +88,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     }
     // First, so that bad settings or an audit that cannot be written cost no model load.
     let audited = args.audit || args.audit_out.is_some();
-    let policy = args.attention.settings.policy(args.attention.kind, audited)?;
+    let policy = args.attention.policy(args.seed, audited)?;
     let mut audit_log = args.audit_out.as_deref().map(AuditLog::create).transpose()?;
     let paths = text_files(&args.files)?;
     let texts = paths.iter().map(|p| read_text(p)).collect::<anyhow::Result<Vec<_>>>()?;

@@ -5,8 +5,6 @@ use std::path::PathBuf;
 
 use clap::builder::NonEmptyStringValueParser;
 use clap::Args;
-use sift::attn::dense::Dense;
-use sift::attn::AttentionKind;
 use sift::audit::{audit_token, AuditHeader, AuditSummary};
 use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation};
@@ -48,14 +46,22 @@ pub struct RunArgs {
     generation: GenerationArgs,
     #[command(flatten)]
     audit: AuditArgs,
+    /// Dot f32 activations with weights dequantized to f32 instead of 8-bit activations, as
+    /// `sift perplexity --f32-activations` does (several times slower)
+    #[arg(long)]
+    f32_activations: bool,
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    // The sampling seed draws certified attention's perturbations too.
+    let sampling = args.generation.sampling();
+    let policy = args.generation.attention.policy(sampling.seed, args.audit.audit)?;
     let mut audit = args.audit.create()?;
     let prompt = read_prompt(args.prompt.as_deref())?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
+    sift::matmul::set_f32_activations(args.f32_activations);
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = if args.chat || args.system.is_some() || args.chat_template.is_some() {
         Some(ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?)
@@ -70,9 +76,8 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         None => tokenizer.encode(&prompt, true, false)?,
     };
-    let sampling = args.generation.sampling();
     let storage = args.generation.cache.storage();
-    let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, Box::new(Dense), sampling.clone());
+    let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
     conversation.check_fits(&prompt_ids)?;
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
@@ -81,7 +86,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             file.path(),
             arch,
             kv_cache,
-            AttentionKind::Dense,
+            args.generation.attention.kind,
             n_ctx,
             Some(&sampling),
             Some(prompt_ids.len()),

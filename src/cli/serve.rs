@@ -6,7 +6,6 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use sift::attn::dense::Dense;
 use sift::chat::ChatTemplate;
 use sift::conversation::Conversation;
 use sift::model::Model;
@@ -49,14 +48,16 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    // The sampling seed draws certified attention's perturbations too.
+    let sampling = args.generation.sampling();
+    let policy = args.generation.attention.policy(sampling.seed, false)?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
-    let sampling = args.generation.sampling();
     let storage = args.generation.cache.storage();
-    let conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, Box::new(Dense), sampling.clone());
+    let conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
     let listener = TcpListener::bind((args.host, args.port))
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
     let address = listener.local_addr().context("reading the address listened on")?;
