@@ -84,7 +84,7 @@ pub struct ModelArgs {
     #[arg(short, long, env = "SIFT_THREADS")]
     threads: Option<usize>,
     /// Kernel set: auto picks the best this CPU supports
-    #[arg(long, env = "SIFT_ISA", default_value = "auto", value_parser = ["auto", "scalar", "avx2", "avx512"])]
+    #[arg(long, env = "SIFT_ISA", default_value = "auto", value_parser = ["auto", "scalar", "avx2", "avxvnni", "avx512"])]
     isa: String,
     /// Where the weights live: huge-pages reads the file into memory backed by
     /// 2 MiB pages (decoding streams every weight, and runs about 10% faster
