@@ -14,6 +14,7 @@ pub mod chat;
 pub mod engine;
 pub mod generate;
 pub mod gguf;
+pub mod gpu;
 pub mod kv;
 pub mod matmul;
 pub mod model;
