@@ -81,6 +81,7 @@ struct KernelKey {
 }
 
 pub struct GpuContext {
+    pub adapter: wgpu::Adapter,
     pub device: wgpu::Device,
     pub queue: wgpu::Queue,
     pub info: wgpu::AdapterInfo,
@@ -110,6 +111,7 @@ struct Timestamps {
 const WANTED_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
     .union(wgpu::Features::SUBGROUP)
     .union(wgpu::Features::TIMESTAMP_QUERY)
+    .union(wgpu::Features::IMMEDIATES)
     .union(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX);
 
 impl GpuContext {
@@ -175,6 +177,7 @@ impl GpuContext {
             period: f64::from(queue.get_timestamp_period()),
         });
         Ok(Self {
+            adapter,
             device,
             queue,
             info,
@@ -453,6 +456,20 @@ impl Batch<'_> {
         pass.set_pipeline(&kernel.pipeline);
         pass.set_bind_group(0, &bind_group, &[]);
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+    }
+
+    /// [`GpuContext::grid`] of the context recorded into.
+    pub fn grid(&self, groups: u32) -> [u32; 3] {
+        self.ctx.grid(groups)
+    }
+
+    /// Records a kernel that binds its own groups (the heavy kernels) into a
+    /// compute pass of its own.
+    pub fn record<R>(&mut self, label: &str, f: impl FnOnce(&mut wgpu::ComputePass<'_>) -> R) -> R {
+        let mut pass = self
+            .encoder
+            .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some(label), timestamp_writes: None });
+        f(&mut pass)
     }
 
     /// Records a copy of `bytes` bytes between buffers.

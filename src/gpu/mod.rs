@@ -12,5 +12,6 @@
 //! context fails with [`GpuError::NoAdapter`] and nothing else changes.
 
 mod context;
+pub mod layers;
 
 pub use context::{AdapterPolicy, Batch, GpuContext, GpuError, Kernel, Shader};
