@@ -8,9 +8,9 @@
 //! differ only in the bracketed steps and a few constants ([`HParams`]).
 
 pub mod arch;
-mod blocks;
+pub mod blocks;
 pub mod hparams;
-mod weights;
+pub mod weights;
 
 use simd::WeightType;
 
