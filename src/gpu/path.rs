@@ -5,6 +5,8 @@
 //! in subgroups of 32; the fallback uses plain workgroup tiles and f32 FMAs.
 //! The choice is made at run time from what the adapter lists.
 
+use super::GpuContext;
+
 /// A kernel variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum KernelPath {
@@ -24,25 +26,44 @@ impl KernelPath {
     /// Bytes of immediate data the kernels use at most.
     pub const IMMEDIATE_BYTES: u32 = 32;
 
-    /// Whether the adapter can run the cooperative-matrix path: the feature,
-    /// a 16 × 16 × 16 f16 → f32 configuration, and subgroups of exactly 32.
-    pub fn cooperative_on(adapter: &wgpu::Adapter) -> bool {
+    /// Whether `ctx` can run this path. Both need f16, subgroups of at least
+    /// 8 (the tiled attention sums a query's 8 partial dot products by
+    /// shuffles) and the kernels' immediates; the cooperative path also a
+    /// 16 × 16 × 16 f16 → f32 configuration and subgroups of exactly 32.
+    pub fn available(self, ctx: &GpuContext) -> Result<(), KernelError> {
+        let lacks = |what| Err(KernelError::Device { kernel: self.name(), what });
+        if !ctx.has(Self::REQUIRED_FEATURES) {
+            return lacks("f16 shaders, subgroups or immediates");
+        }
+        if ctx.limits.max_immediate_size < Self::IMMEDIATE_BYTES {
+            return lacks("32 bytes of immediates");
+        }
+        if ctx.info.subgroup_min_size < 8 {
+            return lacks("subgroups of 8 or more");
+        }
+        if self == Self::Tiled {
+            return Ok(());
+        }
         use wgpu::CooperativeScalarType as T;
-        let info = adapter.get_info();
-        adapter.features().contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
-            && info.subgroup_min_size == 32
-            && info.subgroup_max_size == 32
-            && adapter.cooperative_matrix_properties().iter().any(|p| {
-                (p.m_size, p.n_size, p.k_size) == (16, 16, 16) && p.ab_type == T::F16 && p.cr_type == T::F32
-            })
+        if !ctx.has(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+            return lacks("cooperative matrices");
+        }
+        if !ctx.cooperative_matrices.iter().any(|p| {
+            (p.m_size, p.n_size, p.k_size) == (16, 16, 16) && p.ab_type == T::F16 && p.cr_type == T::F32
+        }) {
+            return lacks("16 × 16 × 16 f16 → f32 cooperative matrices");
+        }
+        if (ctx.info.subgroup_min_size, ctx.info.subgroup_max_size) != (32, 32) {
+            return lacks("subgroups of exactly 32");
+        }
+        Ok(())
     }
 
-    /// The fastest path a device opened on `adapter` runs.
-    pub fn best(adapter: &wgpu::Adapter, device: &wgpu::Device) -> Self {
-        if device.features().contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) && Self::cooperative_on(adapter) {
-            Self::CooperativeMatrix
-        } else {
-            Self::Tiled
+    /// The fastest path `ctx` runs, if any.
+    pub fn best(ctx: &GpuContext) -> Result<Self, KernelError> {
+        match Self::CooperativeMatrix.available(ctx) {
+            Ok(()) => Ok(Self::CooperativeMatrix),
+            Err(_) => Self::Tiled.available(ctx).map(|()| Self::Tiled),
         }
     }
 
