@@ -131,7 +131,8 @@ fn main(
 
     let t = m0 + sm;
     let n = n0 + sn;
-    if m0 + TILE_M <= shape.tokens && n0 + TILE_N <= shape.n_out {
+    // Whole blocks go straight to Y when its rows are 16-byte aligned.
+    if m0 + TILE_M <= shape.tokens && n0 + TILE_N <= shape.n_out && shape.n_out % 4u == 0u {
         // naga 30 translates coopStore only when its index and stride are
         // named values, hence the lets.
         let stride = shape.n_out;

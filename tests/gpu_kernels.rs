@@ -171,14 +171,8 @@ fn attention_reference(q: &[f16], k: &[f16], v: &[f16], c: &Case, scale: f64) ->
 
 fn check_attention(ctx: &GpuContext, path: KernelPath, c: &Case, noise: &mut Noise) {
     let scale = 1.0 / (c.head_dim as f32).sqrt();
-    let shape = AttentionShape {
-        n: c.n,
-        pos0: c.pos0,
-        n_head: c.n_head,
-        n_kv_head: c.n_kv_head,
-        window: c.window,
-        scale,
-    };
+    let shape =
+        AttentionShape { n: c.n, pos0: c.pos0, n_head: c.n_head, n_kv_head: c.n_kv_head, window: c.window, scale };
     let attention = Attention::new(&ctx.device, path, c.head_dim, c.n_head / c.n_kv_head).unwrap();
     let d = c.head_dim as usize;
     // What the kernel may read, padding included; the padding holds finite
@@ -205,7 +199,13 @@ fn check_attention(ctx: &GpuContext, path: KernelPath, c: &Case, noise: &mut Noi
     };
     let what = format!(
         "attention n={} pos0={} heads {}/{} d={} window {:?} on {}",
-        c.n, c.pos0, c.n_head, c.n_kv_head, c.head_dim, c.window, path.name()
+        c.n,
+        c.pos0,
+        c.n_head,
+        c.n_kv_head,
+        c.head_dim,
+        c.window,
+        path.name()
     );
     assert!(err < bound, "{what}: relative error {err:.3e} (bound {bound:e})");
     eprintln!("{what}: relative error {err:.3e}");

@@ -120,7 +120,14 @@ impl Attention {
     }
 
     /// Binds Q, K, V and O (see the module's layout).
-    pub fn bind(&self, device: &wgpu::Device, q: &wgpu::Buffer, k: &wgpu::Buffer, v: &wgpu::Buffer, o: &wgpu::Buffer) -> wgpu::BindGroup {
+    pub fn bind(
+        &self,
+        device: &wgpu::Device,
+        q: &wgpu::Buffer,
+        k: &wgpu::Buffer,
+        v: &wgpu::Buffer,
+        o: &wgpu::Buffer,
+    ) -> wgpu::BindGroup {
         self.kernel.bind(device, &[q, k, v, o])
     }
 
@@ -171,14 +178,8 @@ impl Attention {
         if groups[0] > 65535 || groups[1] > 65535 {
             return bad(format!("{} queries need more than 65535 workgroups", shape.n));
         }
-        let immediates = [
-            shape.n,
-            shape.pos0,
-            shape.n_head,
-            shape.n_kv_head,
-            shape.window.unwrap_or(0),
-            shape.scale.to_bits(),
-        ];
+        let immediates =
+            [shape.n, shape.pos0, shape.n_head, shape.n_kv_head, shape.window.unwrap_or(0), shape.scale.to_bits()];
         self.kernel.dispatch(pass, bind, &immediates, groups);
         Ok(())
     }

@@ -80,11 +80,7 @@ impl Matmul {
         if self.path == KernelPath::CooperativeMatrix && !n_in.is_multiple_of(4) {
             return bad(format!("n_in = {n_in} is not a multiple of 4"));
         }
-        let need = [
-            tokens as u64 * n_in as u64 * 4,
-            n_out as u64 * n_in as u64 * 2,
-            tokens as u64 * n_out as u64 * 4,
-        ];
+        let need = [tokens as u64 * n_in as u64 * 4, n_out as u64 * n_in as u64 * 2, tokens as u64 * n_out as u64 * 4];
         for ((name, need), have) in ["X", "W", "Y"].iter().zip(need).zip(sizes) {
             if have < need {
                 return bad(format!("{name} holds {have} bytes, the shape needs {need}"));

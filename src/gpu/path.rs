@@ -19,9 +19,8 @@ pub enum KernelPath {
 impl KernelPath {
     /// Features every kernel path needs: f16 storage, subgroup shuffles and
     /// immediates (the kernels' shapes travel as immediate data).
-    pub const REQUIRED_FEATURES: wgpu::Features = wgpu::Features::SHADER_F16
-        .union(wgpu::Features::SUBGROUP)
-        .union(wgpu::Features::IMMEDIATES);
+    pub const REQUIRED_FEATURES: wgpu::Features =
+        wgpu::Features::SHADER_F16.union(wgpu::Features::SUBGROUP).union(wgpu::Features::IMMEDIATES);
 
     /// Bytes of immediate data the kernels use at most.
     pub const IMMEDIATE_BYTES: u32 = 32;
@@ -48,9 +47,11 @@ impl KernelPath {
         if !ctx.has(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
             return lacks("cooperative matrices");
         }
-        if !ctx.cooperative_matrices.iter().any(|p| {
-            (p.m_size, p.n_size, p.k_size) == (16, 16, 16) && p.ab_type == T::F16 && p.cr_type == T::F32
-        }) {
+        if !ctx
+            .cooperative_matrices
+            .iter()
+            .any(|p| (p.m_size, p.n_size, p.k_size) == (16, 16, 16) && p.ab_type == T::F16 && p.cr_type == T::F32)
+        {
             return lacks("16 × 16 × 16 f16 → f32 cooperative matrices");
         }
         if (ctx.info.subgroup_min_size, ctx.info.subgroup_max_size) != (32, 32) {

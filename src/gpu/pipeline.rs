@@ -40,7 +40,8 @@ impl Pipeline {
                 count: None,
             })
             .collect();
-        let layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: Some(label), entries: &entries });
+        let layout =
+            device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: Some(label), entries: &entries });
         let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
             label: Some(label),
             bind_group_layouts: &[Some(&layout)],
@@ -126,10 +127,12 @@ mod tests {
         }
         for (name, source) in modules {
             eprintln!("{name}");
-            let module = naga::front::wgsl::parse_str(&source).unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));
-            let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
-                .validate(&module)
+            let module = naga::front::wgsl::parse_str(&source)
                 .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));
+            let info =
+                naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+                    .validate(&module)
+                    .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));
             let options = naga::back::spv::Options { lang_version: (1, 6), ..Default::default() };
             naga::back::spv::write_vec(&module, &info, &options, None).unwrap_or_else(|e| panic!("{name}: {e}"));
         }
@@ -138,6 +141,9 @@ mod tests {
     #[test]
     fn the_header_goes_after_the_directives() {
         let source = "enable f16;\ndiagnostic(off, derivative_uniformity);\nconst X = D;\n";
-        assert_eq!(with_header("const D = 1;", source), "enable f16;\ndiagnostic(off, derivative_uniformity);\nconst D = 1;\nconst X = D;\n");
+        assert_eq!(
+            with_header("const D = 1;", source),
+            "enable f16;\ndiagnostic(off, derivative_uniformity);\nconst D = 1;\nconst X = D;\n"
+        );
     }
 }
