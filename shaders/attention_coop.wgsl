@@ -176,7 +176,16 @@ fn main(
     let b = sg / 2u;
     let column0 = (sg % 2u) * COLUMNS * 16u;
     let kv_stride = shape.n_kv_head * D;
-    var acc: array<coop_mat16x16<f32, C>, COLUMNS>;
+    // The accumulators are named, not an array, so that they stay in
+    // registers; o4 .. o7 exist for D = 256 only.
+    var o0 = coop_mat16x16<f32, C>();
+    var o1 = coop_mat16x16<f32, C>();
+    var o2 = coop_mat16x16<f32, C>();
+    var o3 = coop_mat16x16<f32, C>();
+    var o4 = coop_mat16x16<f32, C>();
+    var o5 = coop_mat16x16<f32, C>();
+    var o6 = coop_mat16x16<f32, C>();
+    var o7 = coop_mat16x16<f32, C>();
     for (var j0 = key_begin; j0 < key_end; j0 += KEYS) {
         scores(blk, j0, sg);
         workgroupBarrier();
@@ -192,17 +201,37 @@ fn main(
         for (var kt = 0u; kt < KEYS / 16u; kt++) {
             let pa = coopLoadT<coop_mat16x16<f16, A>>(&p_tile[b * 16u * P_STRIDE + kt * 16u], P_STRIDE);
             let v_at = ((j0 + kt * 16u) * shape.n_kv_head + blk.kv_head) * D + column0;
-            for (var c = 0u; c < COLUMNS; c++) {
-                let vb = coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + c * 16u], kv_stride);
-                acc[c] = coopMultiplyAdd(pa, vb, acc[c]);
+            o0 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at], kv_stride), o0);
+            o1 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 16u], kv_stride), o1);
+            o2 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 32u], kv_stride), o2);
+            o3 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 48u], kv_stride), o3);
+            if COLUMNS == 8u {
+                o4 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 64u], kv_stride), o4);
+                o5 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 80u], kv_stride), o5);
+                o6 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 96u], kv_stride), o6);
+                o7 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 112u], kv_stride), o7);
             }
         }
     }
-    let o_at = (block_token(blk, b) * shape.n_head + block_head(blk, b)) * D + column0;
+    // naga 30 translates coopStore only when its index and stride are named
+    // values, hence the lets.
     let o_stride = shape.n_head * D;
-    for (var c = 0u; c < COLUMNS; c++) {
-        let at = o_at + c * 16u;
-        let tile = acc[c];
-        coopStoreT(tile, &o[at], o_stride);
+    let at0 = (block_token(blk, b) * shape.n_head + block_head(blk, b)) * D + column0;
+    let at1 = at0 + 16u;
+    let at2 = at0 + 32u;
+    let at3 = at0 + 48u;
+    coopStoreT(o0, &o[at0], o_stride);
+    coopStoreT(o1, &o[at1], o_stride);
+    coopStoreT(o2, &o[at2], o_stride);
+    coopStoreT(o3, &o[at3], o_stride);
+    if COLUMNS == 8u {
+        let at4 = at0 + 64u;
+        let at5 = at0 + 80u;
+        let at6 = at0 + 96u;
+        let at7 = at0 + 112u;
+        coopStoreT(o4, &o[at4], o_stride);
+        coopStoreT(o5, &o[at5], o_stride);
+        coopStoreT(o6, &o[at6], o_stride);
+        coopStoreT(o7, &o[at7], o_stride);
     }
 }

@@ -47,10 +47,19 @@ impl Pipeline {
             bind_group_layouts: &[Some(&layout)],
             immediate_size: super::KernelPath::IMMEDIATE_BYTES,
         });
-        let module = device.create_shader_module(wgpu::ShaderModuleDescriptor {
+        let descriptor = wgpu::ShaderModuleDescriptor {
             label: Some(label),
             source: wgpu::ShaderSource::Wgsl(with_header(header, source).into()),
-        });
+        };
+        // SAFETY: without runtime checks an out-of-range index is undefined
+        // behaviour. The heavy kernels index only in range: the tiled shaders
+        // test every global index against the shape before using it, the
+        // cooperative ones read and write whole blocks of buffers whose sizes
+        // `dispatch` has checked against the (padded) shape, and workgroup and
+        // private arrays are indexed by values bounded by constants. The checks
+        // cost the cooperative loads from device memory a branch each, which
+        // keeps the driver from issuing them together.
+        let module = unsafe { device.create_shader_module_trusted(descriptor, wgpu::ShaderRuntimeChecks::unchecked()) };
         let pipeline = device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(label),
             layout: Some(&pipeline_layout),
