@@ -10,11 +10,13 @@
 //
 // A workgroup of 8 subgroups of 32 takes 64 rows of queries: HEADS query heads
 // of one KV head (grouped-query attention: they share every key and value it
-// loads) times 64 / HEADS tokens, as 4 blocks of 16 rows of one head. Keys
-// come 64 at a time. For each block of keys the 64 × 64 scores S = Q·Kᵀ are
-// computed as 16 × 16 × 16 products with f16 operands and f32 accumulators
-// (subgroup s: rows 16·(s / 2), keys 32·(s % 2)), straight from Q and K in
-// device memory, and written to workgroup memory.
+// loads) times 64 / HEADS tokens, as 4 blocks of 16 rows of one head. Subgroup
+// s works on row block s / 2 and keeps its D / 16 tiles of Q in registers for
+// the whole call. Keys and values come 32 positions at a time, copied into
+// workgroup memory by all 256 invocations. For each such block the 64 × 32
+// scores S = Q·Kᵀ are computed as 16 × 16 × 16 products with f16 operands and
+// f32 accumulators (subgroup s: keys 16·(s % 2)) and written to workgroup
+// memory, where the softmax reads them element by element.
 //
 // Cooperative matrices cannot be rescaled row by row, which an online softmax
 // needs whenever a row's maximum grows. So the first pass computes only each
@@ -28,13 +30,10 @@
 
 enable f16;
 enable wgpu_cooperative_matrix;
-// Cooperative operations run in control flow that is uniform per workgroup
-// here; naga cannot prove it for loops bounded by values it derives from the
-// subgroup id, so its analysis is told.
-diagnostic(off, derivative_uniformity);
 
 const ROWS: u32 = 64u;
-const KEYS: u32 = 64u;
+const KEYS: u32 = 32u;
+const KV_STRIDE: u32 = D + 8u;
 const TOKENS: u32 = ROWS / HEADS;
 const S_STRIDE: u32 = KEYS + 4u;
 const P_STRIDE: u32 = KEYS + 8u;
@@ -54,13 +53,14 @@ struct Shape {
 var<immediate> shape: Shape;
 
 @group(0) @binding(0) var<storage, read> q: array<f16>;
-@group(0) @binding(1) var<storage, read> k: array<f16>;
-@group(0) @binding(2) var<storage, read> v: array<f16>;
+@group(0) @binding(1) var<storage, read> k: array<vec4<f16>>;
+@group(0) @binding(2) var<storage, read> v: array<vec4<f16>>;
 @group(0) @binding(3) var<storage, read_write> o: array<f32>;
 
 var<workgroup> s_tile: array<f32, ROWS * S_STRIDE>;
 var<workgroup> p_tile: array<f16, ROWS * P_STRIDE>;
-var<workgroup> partial_stats: array<vec2<f32>, ROWS * 4u>;
+var<workgroup> k_tile: array<f16, KEYS * KV_STRIDE>;
+var<workgroup> v_tile: array<f16, KEYS * KV_STRIDE>;
 
 struct Block {
     // First token of the workgroup, within the chunk.
@@ -83,29 +83,84 @@ fn visible(t: u32, j: u32) -> bool {
     return j < shape.pos0 + shape.n && j <= t && (shape.window == 0u || t - j < shape.window);
 }
 
-// S for the keys j0 .. j0 + 64 into s_tile.
-fn scores(blk: Block, j0: u32, sg: u32) {
-    let b = sg / 2u;
-    let key = j0 + (sg % 2u) * 32u;
-    let q_stride = shape.n_head * D;
-    let kv_stride = shape.n_kv_head * D;
-    let q_at = (block_token(blk, b) * shape.n_head + block_head(blk, b)) * D;
-    let k_at = (key * shape.n_kv_head + blk.kv_head) * D;
-    var s0 = coop_mat16x16<f32, C>();
-    var s1 = coop_mat16x16<f32, C>();
-    for (var d = 0u; d < D; d += 16u) {
-        let qa = coopLoadT<coop_mat16x16<f16, A>>(&q[q_at + d], q_stride);
-        let kb0 = coopLoad<coop_mat16x16<f16, B>>(&k[k_at + d], kv_stride);
-        let kb1 = coopLoad<coop_mat16x16<f16, B>>(&k[k_at + 16u * kv_stride + d], kv_stride);
-        s0 = coopMultiplyAdd(qa, kb0, s0);
-        s1 = coopMultiplyAdd(qa, kb1, s1);
+// Keys (and, with `values`, values) j0 .. j0 + 32 into workgroup memory.
+fn stage(blk: Block, j0: u32, lid: u32, values: bool) {
+    let quads = D / 4u;
+    for (var i = 0u; i < D / 32u; i++) {
+        let e = lid + i * 256u;
+        let key = e / quads;
+        let quad = e % quads;
+        let at = ((j0 + key) * shape.n_kv_head + blk.kv_head) * quads + quad;
+        let to = key * KV_STRIDE + quad * 4u;
+        let kx = k[at];
+        k_tile[to] = kx.x;
+        k_tile[to + 1u] = kx.y;
+        k_tile[to + 2u] = kx.z;
+        k_tile[to + 3u] = kx.w;
+        if values {
+            let vx = v[at];
+            v_tile[to] = vx.x;
+            v_tile[to + 1u] = vx.y;
+            v_tile[to + 2u] = vx.z;
+            v_tile[to + 3u] = vx.w;
+        }
     }
-    // naga 30 translates coopStore only when its index and stride are named
-    // values or constants, hence the lets.
-    let at0 = b * 16u * S_STRIDE + (sg % 2u) * 32u;
-    let at1 = at0 + 16u;
-    coopStoreT(s0, &s_tile[at0], S_STRIDE);
-    coopStoreT(s1, &s_tile[at1], S_STRIDE);
+}
+
+// This subgroup's 16 query rows, as D / 16 A tiles, loaded once.
+var<private> q_tiles: array<coop_mat16x16<f16, A>, 16>;
+
+fn load_queries(blk: Block, sg: u32) {
+    let b = sg / 2u;
+    let q_stride = shape.n_head * D;
+    let at = (block_token(blk, b) * shape.n_head + block_head(blk, b)) * D;
+    q_tiles[0] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 0u], q_stride);
+    q_tiles[1] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 16u], q_stride);
+    q_tiles[2] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 32u], q_stride);
+    q_tiles[3] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 48u], q_stride);
+    q_tiles[4] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 64u], q_stride);
+    q_tiles[5] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 80u], q_stride);
+    q_tiles[6] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 96u], q_stride);
+    q_tiles[7] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 112u], q_stride);
+    if D == 256u {
+        q_tiles[8] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 128u], q_stride);
+        q_tiles[9] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 144u], q_stride);
+        q_tiles[10] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 160u], q_stride);
+        q_tiles[11] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 176u], q_stride);
+        q_tiles[12] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 192u], q_stride);
+        q_tiles[13] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 208u], q_stride);
+        q_tiles[14] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 224u], q_stride);
+        q_tiles[15] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 240u], q_stride);
+    }
+}
+
+// S for the keys j0 .. j0 + 32 (staged in k_tile) into s_tile. The products
+// are written out so that q_tiles is only indexed by constants.
+fn scores(sg: u32) {
+    let b = sg / 2u;
+    let kt = sg % 2u;
+    let at = kt * 16u * KV_STRIDE;
+    var s = coop_mat16x16<f32, C>();
+    s = coopMultiplyAdd(q_tiles[0], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 0u], KV_STRIDE), s);
+    s = coopMultiplyAdd(q_tiles[1], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 16u], KV_STRIDE), s);
+    s = coopMultiplyAdd(q_tiles[2], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 32u], KV_STRIDE), s);
+    s = coopMultiplyAdd(q_tiles[3], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 48u], KV_STRIDE), s);
+    s = coopMultiplyAdd(q_tiles[4], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 64u], KV_STRIDE), s);
+    s = coopMultiplyAdd(q_tiles[5], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 80u], KV_STRIDE), s);
+    s = coopMultiplyAdd(q_tiles[6], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 96u], KV_STRIDE), s);
+    s = coopMultiplyAdd(q_tiles[7], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 112u], KV_STRIDE), s);
+    if D == 256u {
+        s = coopMultiplyAdd(q_tiles[8], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 128u], KV_STRIDE), s);
+        s = coopMultiplyAdd(q_tiles[9], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 144u], KV_STRIDE), s);
+        s = coopMultiplyAdd(q_tiles[10], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 160u], KV_STRIDE), s);
+        s = coopMultiplyAdd(q_tiles[11], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 176u], KV_STRIDE), s);
+        s = coopMultiplyAdd(q_tiles[12], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 192u], KV_STRIDE), s);
+        s = coopMultiplyAdd(q_tiles[13], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 208u], KV_STRIDE), s);
+        s = coopMultiplyAdd(q_tiles[14], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 224u], KV_STRIDE), s);
+        s = coopMultiplyAdd(q_tiles[15], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 240u], KV_STRIDE), s);
+    }
+    let s_at = b * 16u * S_STRIDE + kt * 16u;
+    coopStoreT(s, &s_tile[s_at], S_STRIDE);
 }
 
 @compute @workgroup_size(256)
@@ -136,22 +191,26 @@ fn main(
     let quarter = lid % 4u;
     let t = shape.pos0 + block_token(blk, row / 16u) + row % 16u;
 
+    load_queries(blk, sg);
+
     // Pass 1: each row's maximum and sum of exponentials.
     var m = NEG_BIG;
     var l = 0.0;
     for (var j0 = key_begin; j0 < key_end; j0 += KEYS) {
-        scores(blk, j0, sg);
+        stage(blk, j0, lid, false);
+        workgroupBarrier();
+        scores(sg);
         workgroupBarrier();
         var m_new = m;
-        for (var i = 0u; i < 16u; i++) {
-            let kl = quarter * 16u + i;
+        for (var i = 0u; i < KEYS / 4u; i++) {
+            let kl = quarter * (KEYS / 4u) + i;
             if visible(t, j0 + kl) {
                 m_new = max(m_new, s_tile[row * S_STRIDE + kl] * shape.scale);
             }
         }
         l *= exp(m - m_new);
-        for (var i = 0u; i < 16u; i++) {
-            let kl = quarter * 16u + i;
+        for (var i = 0u; i < KEYS / 4u; i++) {
+            let kl = quarter * (KEYS / 4u) + i;
             if visible(t, j0 + kl) {
                 l += exp(s_tile[row * S_STRIDE + kl] * shape.scale - m_new);
             }
@@ -159,23 +218,24 @@ fn main(
         m = m_new;
         workgroupBarrier();
     }
-    partial_stats[lid] = vec2<f32>(m, l);
+    s_tile[lid * 2u] = m;
+    s_tile[lid * 2u + 1u] = l;
     workgroupBarrier();
     var m_row = NEG_BIG;
     for (var i = 0u; i < 4u; i++) {
-        m_row = max(m_row, partial_stats[row * 4u + i].x);
+        m_row = max(m_row, s_tile[(row * 4u + i) * 2u]);
     }
     var l_row = 0.0;
     for (var i = 0u; i < 4u; i++) {
-        let part = partial_stats[row * 4u + i];
-        l_row += part.y * exp(part.x - m_row);
+        let at = (row * 4u + i) * 2u;
+        l_row += s_tile[at + 1u] * exp(s_tile[at] - m_row);
     }
+    workgroupBarrier();
     let inv_l = select(0.0, 1.0 / l_row, l_row > 0.0);
 
     // Pass 2: O = Σ P·V with the final statistics.
     let b = sg / 2u;
     let column0 = (sg % 2u) * COLUMNS * 16u;
-    let kv_stride = shape.n_kv_head * D;
     // The accumulators are named, not an array, so that they stay in
     // registers; o4 .. o7 exist for D = 256 only.
     var o0 = coop_mat16x16<f32, C>();
@@ -187,10 +247,12 @@ fn main(
     var o6 = coop_mat16x16<f32, C>();
     var o7 = coop_mat16x16<f32, C>();
     for (var j0 = key_begin; j0 < key_end; j0 += KEYS) {
-        scores(blk, j0, sg);
+        stage(blk, j0, lid, true);
         workgroupBarrier();
-        for (var i = 0u; i < 16u; i++) {
-            let kl = quarter * 16u + i;
+        scores(sg);
+        workgroupBarrier();
+        for (var i = 0u; i < KEYS / 4u; i++) {
+            let kl = quarter * (KEYS / 4u) + i;
             var p = 0.0;
             if visible(t, j0 + kl) {
                 p = exp(s_tile[row * S_STRIDE + kl] * shape.scale - m_row) * inv_l;
@@ -200,18 +262,19 @@ fn main(
         workgroupBarrier();
         for (var kt = 0u; kt < KEYS / 16u; kt++) {
             let pa = coopLoadT<coop_mat16x16<f16, A>>(&p_tile[b * 16u * P_STRIDE + kt * 16u], P_STRIDE);
-            let v_at = ((j0 + kt * 16u) * shape.n_kv_head + blk.kv_head) * D + column0;
-            o0 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at], kv_stride), o0);
-            o1 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 16u], kv_stride), o1);
-            o2 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 32u], kv_stride), o2);
-            o3 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 48u], kv_stride), o3);
+            let v_at = kt * 16u * KV_STRIDE + column0;
+            o0 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at], KV_STRIDE), o0);
+            o1 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 16u], KV_STRIDE), o1);
+            o2 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 32u], KV_STRIDE), o2);
+            o3 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 48u], KV_STRIDE), o3);
             if COLUMNS == 8u {
-                o4 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 64u], kv_stride), o4);
-                o5 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 80u], kv_stride), o5);
-                o6 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 96u], kv_stride), o6);
-                o7 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v[v_at + 112u], kv_stride), o7);
+                o4 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 64u], KV_STRIDE), o4);
+                o5 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 80u], KV_STRIDE), o5);
+                o6 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 96u], KV_STRIDE), o6);
+                o7 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 112u], KV_STRIDE), o7);
             }
         }
+        workgroupBarrier();
     }
     // naga 30 translates coopStore only when its index and stride are named
     // values, hence the lets.

@@ -16,11 +16,6 @@
 
 enable f16;
 enable wgpu_cooperative_matrix;
-// Every cooperative operation below runs in control flow that is uniform over
-// each subgroup (branches depend on the workgroup id and on the subgroup id
-// only), which is what the hardware needs; naga's analysis, which knows
-// workgroup uniformity only, is told so.
-diagnostic(off, derivative_uniformity);
 
 const TILE_M: u32 = 128u;
 const TILE_N: u32 = 128u;
