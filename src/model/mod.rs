@@ -21,7 +21,7 @@ use crate::matmul::MatmulScratch;
 pub use arch::Arch;
 use blocks::RopeTable;
 pub use hparams::HParams;
-use weights::Weights;
+pub use weights::Weights;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -105,6 +105,11 @@ impl<'a> Model<'a> {
             .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down].map(m).iter().sum::<usize>())
             .sum();
         layers + m(&self.w.output)
+    }
+
+    /// The tensors, for a backend that runs the layers itself.
+    pub fn weights(&self) -> &Weights<'a> {
+        &self.w
     }
 
     pub fn output_type(&self) -> WeightType {
