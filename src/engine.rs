@@ -1,10 +1,15 @@
 //! A session: one model, one KV cache, and the position reached so far.
 //! Prompts are prefilled in batches of up to [`Session::batch`] tokens,
-//! then tokens are decoded one at a time against the same cache.
+//! then tokens are decoded one at a time against the same cache. Every
+//! layer's attention is the session's [`AttentionPolicy`] (dense unless
+//! asked otherwise), and every call leaves its heads' records behind
+//! ([`Session::last_records`]).
 
+use crate::attn::dense::Dense;
+use crate::attn::{AttentionPolicy, HeadRecord};
 use crate::kv::{KvCache, Storage};
 use crate::matmul::MatmulScratch;
-use crate::model::{Model, Outputs, Scratch};
+use crate::model::{Attention, Model, Outputs, Scratch};
 use crate::threads;
 
 /// The batch size of prefill (llama.cpp's default micro-batch).
@@ -30,6 +35,11 @@ pub struct Session<'m> {
     logits: Vec<f32>,
     batch: usize,
     n_past: usize,
+    policy: Box<dyn AttentionPolicy>,
+    /// What the attention of the latest call did, every layer and head.
+    records: Vec<HeadRecord>,
+    /// Decoding steps since the last reset.
+    steps: u64,
 }
 
 impl<'m> Session<'m> {
@@ -46,6 +56,17 @@ impl<'m> Session<'m> {
     /// A session whose cache stores its tokens as `storage` says
     /// (`--kv-cache`).
     pub fn with_cache(model: &'m Model<'m>, n_ctx: usize, batch: usize, storage: Storage) -> Self {
+        Self::with_policy(model, n_ctx, batch, storage, Box::new(Dense))
+    }
+
+    /// A session whose attention is `policy`'s (`--attn`).
+    pub fn with_policy(
+        model: &'m Model<'m>,
+        n_ctx: usize,
+        batch: usize,
+        storage: Storage,
+        policy: Box<dyn AttentionPolicy>,
+    ) -> Self {
         let batch = batch.clamp(1, n_ctx.max(1));
         Self {
             model,
@@ -55,7 +76,21 @@ impl<'m> Session<'m> {
             logits: Vec::new(),
             batch,
             n_past: 0,
+            policy,
+            records: Vec::new(),
+            steps: 0,
         }
+    }
+
+    pub fn policy(&self) -> &dyn AttentionPolicy {
+        &*self.policy
+    }
+
+    /// What attention did in the latest [`Self::prefill`], [`Self::decode`]
+    /// or [`Self::evaluate_all`]: a record per layer and query head of each
+    /// forward call it made, in order.
+    pub fn last_records(&self) -> &[HeadRecord] {
+        &self.records
     }
 
     pub fn model(&self) -> &'m Model<'m> {
@@ -82,15 +117,16 @@ impl<'m> Session<'m> {
     /// Forgets everything; the cache memory is kept.
     pub fn reset(&mut self) {
         self.n_past = 0;
+        self.steps = 0;
     }
 
     /// Appends `tokens` and returns the logits after the last one.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
         self.check(tokens)?;
+        self.records.clear();
         threads::on_pool(|| {
             for chunk in tokens.chunks(self.batch) {
-                self.model.forward(chunk, self.n_past, &mut self.cache, &mut self.scratch, Outputs::Last);
-                self.n_past += chunk.len();
+                self.forward(chunk, Outputs::Last);
             }
             let n_vocab = self.model.hp.n_vocab;
             self.logits.resize(n_vocab, 0.0);
@@ -99,9 +135,11 @@ impl<'m> Session<'m> {
         Ok(&self.logits)
     }
 
-    /// Appends one token and returns the logits after it.
+    /// Appends one token and returns the logits after it: a decoding step.
     pub fn decode(&mut self, token: u32) -> Result<&[f32], EngineError> {
-        self.prefill(&[token])
+        self.prefill(&[token])?;
+        self.steps += 1;
+        Ok(&self.logits)
     }
 
     /// Appends `tokens` (at most one batch) and hands the final-normed hidden
@@ -110,9 +148,17 @@ impl<'m> Session<'m> {
     pub fn evaluate_all(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
         self.check(tokens)?;
         assert!(tokens.len() <= self.batch, "evaluate_all takes at most one batch");
-        threads::on_pool(|| self.model.forward(tokens, self.n_past, &mut self.cache, &mut self.scratch, Outputs::All));
-        self.n_past += tokens.len();
+        self.records.clear();
+        threads::on_pool(|| self.forward(tokens, Outputs::All));
         Ok(&self.scratch.hidden)
+    }
+
+    /// One forward call over `tokens` (at most one batch), appending to the
+    /// cache and to the records.
+    fn forward(&mut self, tokens: &[u32], outputs: Outputs) {
+        let mut attention = Attention { policy: &mut *self.policy, step: self.steps, records: &mut self.records };
+        self.model.forward(tokens, self.n_past, &mut self.cache, &mut self.scratch, outputs, &mut attention);
+        self.n_past += tokens.len();
     }
 
     fn check(&self, tokens: &[u32]) -> Result<(), EngineError> {

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use clap::builder::NonEmptyStringValueParser;
 use clap::Args;
-use sift::audit::{AuditError, AuditHeader, AuditLog, AuditRecord, AuditSummary, Certificate};
+use sift::attn::AttentionKind;
+use sift::audit::{AuditError, AuditHeader, AuditLog, AuditRecord, AuditSummary};
 use sift::chat::{self, ChatTemplate, Message};
 use sift::engine::{EngineError, Session, DEFAULT_BATCH};
 use sift::generate::{generate, Limits, Sampled};
@@ -128,7 +129,15 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
         let arch = model.hp.arch.gguf_name();
-        audit.header(&AuditHeader::new(file.path(), arch, kv_cache, n_ctx, &sampling, Some(prompt_ids.len())))?;
+        audit.header(&AuditHeader::new(
+            file.path(),
+            arch,
+            kv_cache,
+            AttentionKind::Dense,
+            n_ctx,
+            &sampling,
+            Some(prompt_ids.len()),
+        ))?;
     }
     let mut sampler = Sampler::new(sampling);
     let mut session = Session::with_cache(&model, n_ctx, DEFAULT_BATCH, args.generation.cache.storage());
@@ -209,8 +218,7 @@ pub fn audit_token(
     let Some(audit) = audit else {
         return ControlFlow::Continue(());
     };
-    // Attention is dense today, so exact.
-    match audit.token(&AuditRecord::new(sampled, tokenizer, turn, Certificate::DENSE)) {
+    match audit.token(&AuditRecord::new(sampled, tokenizer, turn)) {
         Ok(()) => ControlFlow::Continue(()),
         Err(e) => {
             *failure = Some(e);

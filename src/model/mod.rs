@@ -14,7 +14,7 @@ pub mod weights;
 
 use simd::WeightType;
 
-use crate::attn::dense::{attend, AttentionBatch};
+use crate::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall};
 use crate::gguf::{GgufError, GgufFile};
 use crate::kv::{CacheShape, KvCache};
 use crate::matmul::MatmulScratch;
@@ -47,6 +47,14 @@ pub enum Outputs {
 pub struct Model<'a> {
     pub hp: HParams,
     w: Weights<'a>,
+}
+
+/// The attention of a forward call: the policy, the session's decoding
+/// steps so far, and where the policy's records go.
+pub struct Attention<'a> {
+    pub policy: &'a mut dyn AttentionPolicy,
+    pub step: u64,
+    pub records: &'a mut Vec<HeadRecord>,
 }
 
 /// Work buffers for a forward pass, grown once to the largest batch seen.
@@ -118,9 +126,18 @@ impl<'a> Model<'a> {
 
     /// Runs `tokens` at positions `pos0..`, storing their keys and values in
     /// `cache`, and leaves the final-normed hidden states of the `outputs`
-    /// rows in `s.hidden`. The caller keeps positions inside the cache and
-    /// batches no larger than the cache was built for.
-    pub fn forward(&self, tokens: &[u32], pos0: usize, cache: &mut KvCache, s: &mut Scratch, outputs: Outputs) {
+    /// rows in `s.hidden`. Every layer's attention is `attention`'s, which
+    /// appends what it did to `records`. The caller keeps positions inside
+    /// the cache and batches no larger than the cache was built for.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut KvCache,
+        s: &mut Scratch,
+        outputs: Outputs,
+        attention: &mut Attention,
+    ) {
         let hp = &self.hp;
         let n = tokens.len();
         let (q_dim, kv_dim_k, kv_dim_v) =
@@ -186,7 +203,8 @@ impl<'a> Model<'a> {
                 n_gqa: hp.n_gqa(),
                 scale: hp.attn_scale,
             };
-            attend(&batch, cache.layer(il), &mut s.attn);
+            let call = LayerCall { layer: il, step: attention.step, batch: &batch, cache: cache.layer(il) };
+            attention.policy.attend(&call, &mut s.attn, attention.records);
             l.wo.matmul(&s.attn, &mut s.proj, &mut s.matmul);
             if let Some(w) = &l.post_attn_norm {
                 blocks::rms_norm_in_place(&mut s.proj, w, hp.rms_eps);
