@@ -3,6 +3,7 @@
 
 mod bench;
 mod chat;
+mod gpu_bench;
 mod inspect;
 mod perplexity;
 mod run;
@@ -58,6 +59,8 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Measure prompt processing and generation speed, as llama-bench does.
     Bench(bench::BenchArgs),
+    /// Measure the GPU kernels (matmul, attention) in TFLOP/s on each kernel path.
+    GpuBench(gpu_bench::GpuBenchArgs),
     /// Print a shell completion script, e.g. `source <(sift completions bash)`.
     Completions {
         #[arg(value_enum)]
@@ -143,6 +146,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Tokenize(args) => tokenize::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::GpuBench(args) => gpu_bench::run(args),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "sift", &mut std::io::stdout());
             Ok(())

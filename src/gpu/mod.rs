@@ -8,6 +8,10 @@
 //! pools so that a forward pass creates neither. Kernels are WGSL files in the
 //! top-level `shaders/` folder, compiled into the binary with `include_str!`.
 //!
+//! The heavy kernels of prefill, [`matmul`] and [`attention`], come in a
+//! cooperative-matrix (tensor-core) and a plain-tile variant, chosen at run
+//! time by [`KernelPath`].
+//!
 //! The Vulkan loader is opened at run time: on a machine without one, opening a
 //! context fails with [`GpuError::NoAdapter`] and nothing else changes.
 
@@ -15,3 +19,10 @@ mod context;
 pub mod layers;
 
 pub use context::{AdapterPolicy, Batch, GpuContext, GpuError, Kernel, Shader};
+
+pub mod attention;
+pub mod matmul;
+mod path;
+mod pipeline;
+
+pub use path::{KernelError, KernelPath};
