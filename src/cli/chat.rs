@@ -104,6 +104,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         turns: 0,
         tokens: 0,
     };
+    args.generation.gpu.attach(&model, &mut chat.conversation.session)?;
     chat.conversation.set_system(args.system);
     if std::io::stdin().is_terminal() {
         chat.interactive()?;

@@ -16,7 +16,7 @@ use sift::sample::{Sampler, SamplingParams};
 use sift::tokenizer::Tokenizer;
 
 use super::chat::announce_template;
-use super::{context_size, read_prompt, CacheArgs, ModelArgs};
+use super::{context_size, read_prompt, CacheArgs, GpuArgs, ModelArgs};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -76,6 +76,8 @@ pub struct GenerationArgs {
     seed: Option<u64>,
     #[command(flatten)]
     pub cache: CacheArgs,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
     /// Write an audit of the generation to FILE, as JSON Lines: a header (model, cache,
     /// attention, context, sampling), per token its log-probability, the 5 most likely tokens and
     /// the attention's error bound, and a summary. A regular FILE appears only once complete
@@ -141,6 +143,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let mut sampler = Sampler::new(sampling);
     let mut session = Session::with_cache(&model, n_ctx, DEFAULT_BATCH, args.generation.cache.storage());
+    args.generation.gpu.attach(&model, &mut session)?;
     if !args.quiet {
         if let Some(template) = &template {
             announce_template(template);
