@@ -15,6 +15,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::attn::{AttentionKind, Certificate};
 use crate::generate::{Sampled, StopReason};
 use crate::kv::KvMode;
 use crate::sample::SamplingParams;
@@ -29,27 +30,6 @@ pub struct AuditError {
     path: PathBuf,
     #[source]
     source: io::Error,
-}
-
-/// Which attention computed a token, and so what its certificate promises.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AttentionKind {
-    /// Every key read exactly: the certificate is zero.
-    Dense,
-}
-
-/// How far the attention output may be from exact attention's: within `epsilon` except with
-/// probability at most `delta`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Certificate {
-    pub kind: AttentionKind,
-    pub epsilon: f64,
-    pub delta: f64,
-}
-
-impl Certificate {
-    pub const DENSE: Self = Self { kind: AttentionKind::Dense, epsilon: 0.0, delta: 0.0 };
 }
 
 /// The first line: what produced the tokens that follow.
@@ -74,6 +54,7 @@ impl AuditHeader {
         model: &Path,
         architecture: &'static str,
         kv_cache: KvMode,
+        attention: AttentionKind,
         n_ctx: usize,
         sampling: &SamplingParams,
         prompt_tokens: Option<usize>,
@@ -82,7 +63,7 @@ impl AuditHeader {
             model: model.display().to_string(),
             architecture,
             kv_cache: kv_cache.to_string(),
-            attention: AttentionKind::Dense,
+            attention,
             n_ctx,
             sampling: sampling.clone(),
             prompt_tokens,
@@ -109,6 +90,8 @@ pub struct AuditRecord {
     pub logprob: f32,
     /// The [`TOP`] most likely tokens, most likely first (ties: lowest id first).
     pub top: Vec<Alternative>,
+    /// What the attention of the forward call that computed the logits
+    /// promises: the weakest of its heads' certificates.
     pub attention: Certificate,
 }
 
@@ -121,7 +104,7 @@ pub struct Alternative {
 }
 
 impl AuditRecord {
-    pub fn new(sampled: &Sampled, tokenizer: &Tokenizer, turn: Option<usize>, attention: Certificate) -> Self {
+    pub fn new(sampled: &Sampled, tokenizer: &Tokenizer, turn: Option<usize>) -> Self {
         let logits = sampled.logits;
         let log_z = log_sum_exp(logits);
         let logprob = |id: u32| (f64::from(logits[id as usize]) - log_z) as f32;
@@ -141,7 +124,7 @@ impl AuditRecord {
             text: sampled.text.to_string(),
             logprob: logprob(sampled.token),
             top,
-            attention,
+            attention: Certificate::weakest(sampled.attention),
         }
     }
 }

@@ -6,6 +6,7 @@ use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::attn::HeadRecord;
 use crate::engine::{EngineError, Session};
 use crate::sample::Sampler;
 use crate::tokenizer::{TextStream, Tokenizer};
@@ -57,6 +58,8 @@ pub struct Sampled<'a> {
     pub text: &'a str,
     /// The model's logits, before any sampling step changed them.
     pub logits: &'a [f32],
+    /// What attention did in the forward call that computed the logits.
+    pub attention: &'a [HeadRecord],
 }
 
 /// Appends `prompt` to the session and generates after it. `on_text` receives text as soon as it
@@ -104,8 +107,14 @@ pub fn generate(
         let token = sampler.sample(&logits);
         let eog = tokenizer.is_eog(token);
         let text = if eog { String::new() } else { stream.push(token) };
-        let sampled =
-            Sampled { step: out.tokens.len(), position: session.n_past(), token, text: &text, logits: &logits };
+        let sampled = Sampled {
+            step: out.tokens.len(),
+            position: session.n_past(),
+            token,
+            text: &text,
+            logits: &logits,
+            attention: session.last_records(),
+        };
         if on_token(&sampled).is_break() {
             out.stop = StopReason::Interrupted;
             return Ok(out);

@@ -37,8 +37,8 @@ fn rms_norm_matches_the_cpu() {
         let (xb, wb) = (gpu.upload("x", &x).unwrap(), gpu.upload("w", &w).unwrap());
         let out = gpu.storage::<f32>("out", x.len()).unwrap();
         let mut b = gpu.batch();
-        k.rms_norm(&mut b, &xb, &wb, &out, rows, width, 1e-6);
-        k.rms_norm_in_place(&mut b, &xb, &wb, rows, width, 1e-6);
+        k.rms_norm(&mut b, &xb, &wb, &out, rows, 1e-6);
+        k.rms_norm_in_place(&mut b, &xb, &wb, rows, 1e-6);
         b.submit();
         for (what, buffer) in [("beside", &out), ("in place", &xb)] {
             let got: Vec<f32> = gpu.read(buffer, 0, x.len()).unwrap();

@@ -32,7 +32,8 @@
 mod common;
 
 use half::f16;
-use sift::attn::dense::{attend, AttentionBatch};
+use sift::attn::dense::attend;
+use sift::attn::AttentionBatch;
 use sift::kv::page::{KvMode, PagedLayer, Storage, RESIDUAL, SINK};
 use sift::kv::{CacheShape, PAGE};
 

@@ -7,8 +7,9 @@
 //! the sum, as ggml does), and the probabilities are rounded to f16 before
 //! they weight the f16 values. Sums are in f32.
 //!
-//! The loops over keys and values are `simd`'s attention kernels; this module
-//! walks the cache and shares the work among the threads. Exact rows go to
+//! The loops over keys and values are `simd`'s attention kernels, reached
+//! through [`super::read`]; this module walks the cache and shares the work
+//! among the threads. Exact rows go to
 //! the kernels where they lie. The coded pages of the quantized cache modes
 //! are read in place by a small batch (a decoding step): the kernels compute
 //! each code's level in f32 as they load it, the cache's own reader's number.
@@ -32,25 +33,9 @@ use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use simd::Kernels;
 
+use super::read::{self, round_to_f16, with_affine, HeadRows, Stretch};
+use super::{AttentionBatch, AttentionKind, AttentionPolicy, Certificate, HeadRecord, LayerCall};
 use crate::kv::{PagedLayer, Rows, PAGE};
-
-/// What one layer's attention needs to know about the batch.
-pub struct AttentionBatch<'a> {
-    /// Queries after RoPE: `n_tokens` rows of `n_head * head_dim_k`.
-    pub queries: &'a [f32],
-    /// The batch's keys (after RoPE) and values, as stored in the cache:
-    /// `n_tokens` rows of `n_kv_head * head_dim_k` and `n_kv_head * head_dim_v`.
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
-    /// Position of the batch's first token.
-    pub pos0: usize,
-    pub n_head: usize,
-    pub head_dim_k: usize,
-    pub head_dim_v: usize,
-    /// Query heads per KV head.
-    pub n_gqa: usize,
-    pub scale: f32,
-}
 
 /// Visible positions from which one group's keys are split among the threads,
 /// when the batch has too few groups to keep every thread busy (decoding).
@@ -86,7 +71,7 @@ struct Staged {
     positions: Range<usize>,
 }
 
-// The buffers of a call that runs parallel loops (all but AFFINE) are taken
+// The buffers of a call that runs parallel loops are taken
 // out of their thread's slot for the call, never borrowed across it: a thread
 // waiting in a parallel loop may run another attention call meanwhile (work
 // stealing; another session's, say), which then takes a fresh buffer instead
@@ -96,8 +81,55 @@ thread_local! {
     static STAGED: RefCell<Staged> = RefCell::default();
     /// The batch's own keys and values.
     static OWN: RefCell<BatchRows> = RefCell::default();
-    /// A thread's minima and steps of the coded page it reads, in f32.
-    static AFFINE: RefCell<Vec<f32>> = RefCell::default();
+}
+
+/// Exact attention as a policy: every call dense, every head's certificate
+/// zero.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Dense;
+
+impl AttentionPolicy for Dense {
+    fn kind(&self) -> AttentionKind {
+        AttentionKind::Dense
+    }
+
+    fn reads_sketch(&self) -> bool {
+        false
+    }
+
+    fn attend(&mut self, call: &LayerCall, out: &mut [f32], records: &mut Vec<HeadRecord>) {
+        attend(call.batch, call.cache, out);
+        record_dense(call, records);
+    }
+}
+
+/// Appends a record of dense attention for every query head of `call`.
+pub fn record_dense(call: &LayerCall, records: &mut Vec<HeadRecord>) {
+    let batch = call.batch;
+    let tokens = 0..batch.n_tokens();
+    let visible: usize = tokens.clone().map(|t| call.visible(t).len()).sum();
+    for kv_head in 0..batch.n_kv_head() {
+        let rows = HeadRows::new(call, kv_head);
+        let bytes: usize = tokens
+            .clone()
+            .map(|t| {
+                let visible = [call.visible(t)];
+                rows.key_bytes(&visible) + rows.value_bytes(&visible)
+            })
+            .sum();
+        records.extend((0..batch.n_gqa).map(|g| HeadRecord {
+            layer: call.layer,
+            head: kv_head * batch.n_gqa + g,
+            certificate: Certificate::DENSE,
+            level: None,
+            fallback: false,
+            visible,
+            keys_read: visible,
+            bytes_read: bytes as f64 / batch.n_gqa as f64,
+            estimate: None,
+            audit: None,
+        }));
+    }
 }
 
 /// `out` gets `n_tokens` rows of `n_head * head_dim_v`: for every token and
@@ -182,7 +214,7 @@ impl Staged {
             let (Some(sketch), Some(coded)) = (cache.sketch(head, page), cache.coded_values(head, page)) else {
                 return;
             };
-            AFFINE.with_borrow_mut(|affine| {
+            with_affine(|affine| {
                 sketch.dequantize_keys(rows.clone(), &mut keys[rows.start * dim_k..rows.end * dim_k], affine);
                 coded.dequantize_rows(rows.clone(), &mut values[rows.start * dim_v..rows.end * dim_v], affine);
             });
@@ -297,20 +329,8 @@ impl<'a> Group<'a> {
     /// `scores[h][j] = scale · q_h·k_j` for the keys at `positions`.
     fn score(&self, kernels: &Kernels, queries: &[f32], positions: Range<usize>, scores: &mut [f32]) {
         let (dim, n) = (self.batch.head_dim_k, positions.len());
-        let mut col = 0;
-        for keys in self.stretches(positions, dim, |p| p.0, PagedLayer::key_rows) {
-            col += match keys {
-                Stretch::Halves(keys) => {
-                    kernels.scores_f16(dim, queries, keys, &mut scores[col..], n);
-                    keys.len() / dim
-                }
-                Stretch::Coded(sketch, rows) => AFFINE.with_borrow_mut(|affine| {
-                    let keys = sketch.code_rows(rows.clone(), affine);
-                    kernels.scores_coded(queries, &keys, &mut scores[col..], n);
-                    rows.len()
-                }),
-            };
-        }
+        let keys = self.stretches(positions, dim, |p| p.0, PagedLayer::key_rows);
+        read::score(kernels, dim, queries, keys, scores, n);
         scores.iter_mut().for_each(|x| *x *= self.batch.scale);
     }
 
@@ -332,20 +352,8 @@ impl<'a> Group<'a> {
     fn weigh(&self, kernels: &Kernels, probs: &[f32], positions: Range<usize>, sums: &mut [f32]) {
         let (dim, n) = (self.batch.head_dim_v, positions.len());
         sums.fill(0.0);
-        let mut col = 0;
-        for values in self.stretches(positions, dim, |p| p.1, PagedLayer::value_rows) {
-            col += match values {
-                Stretch::Halves(values) => {
-                    kernels.add_weighted_f16(dim, &probs[col..], n, values, sums);
-                    values.len() / dim
-                }
-                Stretch::Coded(coded, rows) => AFFINE.with_borrow_mut(|affine| {
-                    let values = coded.code_rows(rows.clone(), affine);
-                    kernels.add_weighted_coded(&probs[col..], n, &values, sums);
-                    rows.len()
-                }),
-            };
-        }
+        let values = self.stretches(positions, dim, |p| p.1, PagedLayer::value_rows);
+        read::weigh(kernels, dim, probs, n, values, sums);
     }
 
     /// The key (or value) rows at `positions` in order, as stretches: the
@@ -388,25 +396,10 @@ impl<'a> Group<'a> {
     }
 }
 
-/// A stretch of one head's key or value rows, as the kernels take it.
-enum Stretch<'a, C> {
-    /// f16 rows end to end: exact, staged or the batch's own.
-    Halves(&'a [f16]),
-    /// These rows of a coded page, read in place.
-    Coded(&'a C, Range<usize>),
-}
-
 /// The stretch of head `h`'s scores in each piece of `piece_len` positions.
 fn head_rows(scores: &mut [f32], heads: usize, piece_len: usize, h: usize) -> impl Iterator<Item = &mut [f32]> {
     scores.chunks_mut(heads * piece_len).map(move |piece| {
         let len = piece.len() / heads;
         &mut piece[h * len..][..len]
     })
-}
-
-/// Rounds every element to the nearest f16, through the buffer `halves`.
-fn round_to_f16(x: &mut [f32], halves: &mut Vec<f16>) {
-    halves.resize(x.len(), f16::ZERO);
-    halves.convert_from_f32_slice(x);
-    halves.convert_to_f32_slice(x);
 }

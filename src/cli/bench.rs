@@ -14,7 +14,10 @@ use sift::engine::{Session, DEFAULT_BATCH};
 use sift::kv::{KvMode, Storage};
 use sift::model::Model;
 
-use super::ModelArgs;
+use super::{GpuArgs, ModelArgs};
+use sift::gpu::on_demand::{GpuMode, AUTO_MIN_TOKENS};
+use sift::gpu::prefill::GpuPrefill;
+use sift::gpu::{AdapterPolicy, GpuContext};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -35,7 +38,9 @@ pub struct BenchArgs {
     /// KV cache modes to test, comma-separated (f16, q8, q4, q2)
     #[arg(long = "kv-cache", env = "SIFT_KV_CACHE", value_delimiter = ',', default_value = "f16")]
     kv_caches: Vec<KvMode>,
-    /// Print JSON rows {test, kv_cache, kv_bytes_per_token, tokens_per_s, stddev, median} instead of a table
+    #[command(flatten)]
+    gpu: GpuArgs,
+    /// Print JSON rows {test, prefill, kv_cache, kv_bytes_per_token, tokens_per_s, stddev, median, ttft_ms} instead of a table
     #[arg(long)]
     json: bool,
 }
@@ -43,12 +48,17 @@ pub struct BenchArgs {
 #[derive(serde::Serialize)]
 struct Row {
     test: String,
+    /// Where the prompt was prefilled: "cpu" or "gpu" (decoding is the CPU's).
+    prefill: &'static str,
     kv_cache: String,
     kv_bytes_per_token: f64,
     tokens_per_s: f64,
     stddev: f64,
     median: f64,
     samples: Vec<f64>,
+    /// pp tests: time to first token, the median prefill time including the
+    /// first token's logits.
+    ttft_ms: Option<f64>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -64,11 +74,48 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         (0..n).map(|i| if i == 0 { bos.unwrap_or(0) } else { rng.random_range(0..n_vocab) }).collect()
     };
 
+    // The GPU is opened and the weights uploaded once, before any timing.
+    let gpu = match args.gpu.mode() {
+        GpuMode::Off => None,
+        mode => {
+            let policy = if mode == GpuMode::On { AdapterPolicy::AllowSoftware } else { AdapterPolicy::Hardware };
+            match GpuContext::open(policy) {
+                Ok(ctx) => Some(ctx),
+                Err(e) if mode == GpuMode::On => return Err(e.into()),
+                Err(e) => {
+                    eprintln!("sift: {e}; prefill stays on the CPU");
+                    None
+                }
+            }
+        }
+    };
+    let gpu_prefill = match &gpu {
+        Some(ctx) => {
+            let started = Instant::now();
+            let min_tokens = if args.gpu.mode() == GpuMode::On { 1 } else { AUTO_MIN_TOKENS };
+            let prefill = GpuPrefill::new(ctx, &model)?.with_min_tokens(min_tokens);
+            eprintln!(
+                "sift: GPU weights uploaded in {:.0} ms; {} kernels; prompts of {min_tokens}+ tokens on the GPU",
+                started.elapsed().as_secs_f64() * 1e3,
+                prefill.path().name()
+            );
+            Some(prefill)
+        }
+        None => None,
+    };
+    let on_gpu = |p: usize| gpu_prefill.as_ref().is_some_and(|g| g.takes_prompt(p));
+
     let mut rows = Vec::new();
     for &mode in &args.kv_caches {
         let storage = Storage { mode, ..Storage::default() };
         let per_token = model.cache_shape().bytes_per_token(mode);
-        let session = |n_ctx| Session::with_cache(&model, n_ctx, DEFAULT_BATCH, storage);
+        let session = |n_ctx| {
+            let mut session = Session::with_cache(&model, n_ctx, DEFAULT_BATCH, storage);
+            if let Some(prefill) = &gpu_prefill {
+                session.set_prefill_backend(Box::new(prefill));
+            }
+            session
+        };
         for &depth in &args.depths {
             let suffix = if depth > 0 { format!(" @ d{depth}") } else { String::new() };
             for &p in args.prompts.iter().filter(|&&p| p > 0) {
@@ -83,7 +130,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     session.prefill(&prompt)?;
                     Ok(t.elapsed().as_secs_f64())
                 })?;
-                rows.push(row(format!("pp{p}{suffix}"), mode, per_token, samples));
+                let mut r = row(format!("pp{p}{suffix}"), mode, per_token, samples);
+                r.ttft_ms = Some(p as f64 / r.median * 1e3);
+                r.prefill = if depth == 0 && on_gpu(p) { "gpu" } else { "cpu" };
+                rows.push(r);
             }
             for &n in args.gens.iter().filter(|&&n| n > 0) {
                 let context = random_tokens(depth.max(1));
@@ -109,21 +159,23 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     let gib = file.tensors().iter().map(|t| t.n_bytes).sum::<usize>() as f64 / (1u64 << 30) as f64;
-    println!("| model | size | threads | isa | kv cache | KV B/token | test | t/s | median |");
-    println!("| --- | ---: | ---: | --- | --- | ---: | --- | ---: | ---: |");
+    println!("| model | size | threads | isa | prefill | kv cache | KV B/token | test | t/s | median | TTFT ms |");
+    println!("| --- | ---: | ---: | --- | --- | --- | ---: | --- | ---: | ---: | ---: |");
     for r in &rows {
         println!(
-            "| {} {} | {gib:.2} GiB | {} | {} | {} | {:.0} | {} | {:.2} ± {:.2} | {:.2} |",
+            "| {} {} | {gib:.2} GiB | {} | {} | {} | {} | {:.0} | {} | {:.2} ± {:.2} | {:.2} | {} |",
             model.hp.arch.gguf_name(),
             model.hp.name,
             rayon::current_num_threads(),
             simd::kernels().isa(),
+            r.prefill,
             r.kv_cache,
             r.kv_bytes_per_token,
             r.test,
             r.tokens_per_s,
             r.stddev,
-            r.median
+            r.median,
+            r.ttft_ms.map_or(String::new(), |t| format!("{t:.1}"))
         );
     }
     Ok(())
@@ -155,5 +207,7 @@ fn row(test: String, mode: KvMode, kv_bytes_per_token: f64, samples: Vec<f64>) -
         stddev: var.sqrt(),
         median,
         samples,
+        prefill: "cpu",
+        ttft_ms: None,
     }
 }

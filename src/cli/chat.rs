@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use anyhow::Context;
 use clap::Args;
 use rustyline::error::ReadlineError;
+use sift::attn::AttentionKind;
 use sift::audit::{AuditError, AuditHeader, AuditLog, AuditSummary, ReplySummary};
 use sift::chat::{self, ChatTemplate, Message, Origin};
 use sift::engine::{EngineError, Session, DEFAULT_BATCH};
@@ -75,7 +76,15 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let sampling = args.generation.sampling();
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
-        audit.header(&AuditHeader::new(file.path(), model.hp.arch.gguf_name(), kv_cache, n_ctx, &sampling, None))?;
+        audit.header(&AuditHeader::new(
+            file.path(),
+            model.hp.arch.gguf_name(),
+            kv_cache,
+            AttentionKind::Dense,
+            n_ctx,
+            &sampling,
+            None,
+        ))?;
     }
     if !args.quiet {
         eprintln!(
@@ -95,6 +104,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         turns: 0,
         tokens: 0,
     };
+    args.generation.gpu.attach(&model, &mut chat.conversation.session)?;
     chat.conversation.set_system(args.system);
     if std::io::stdin().is_terminal() {
         chat.interactive()?;

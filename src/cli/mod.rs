@@ -15,10 +15,12 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use sift::chat::ChatError;
-use sift::engine::EngineError;
+use sift::engine::{EngineError, Session};
 use sift::gguf::{GgufError, GgufFile, Residence};
+use sift::gpu::on_demand::{GpuMode, OnDemand};
+use sift::gpu::GpuError;
 use sift::kv::{KvMode, Storage};
-use sift::model::ModelError;
+use sift::model::{Model, ModelError};
 use sift::perplexity::PerplexityError;
 use sift::tokenizer::TokenizerError;
 
@@ -132,6 +134,33 @@ pub struct CacheArgs {
     pub kv_cache: KvMode,
 }
 
+/// Where prompts are prefilled, for every command that runs the model.
+#[derive(Args, Clone)]
+pub struct GpuArgs {
+    /// GPU prefill through Vulkan: auto prefills a prompt of at least 2048
+    /// tokens that starts the context on a discrete or integrated GPU when
+    /// there is one (the CPU otherwise); on prefills every such prompt on the
+    /// GPU, a software renderer such as lavapipe included, and fails (exit 2)
+    /// without one; off never opens the GPU. Decoding stays on the CPU
+    #[arg(long, env = "SIFT_GPU", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    pub gpu: String,
+}
+
+impl GpuArgs {
+    pub fn mode(&self) -> GpuMode {
+        self.gpu.parse().unwrap_or(GpuMode::Auto)
+    }
+
+    /// Gives `session` the GPU prefill `--gpu` asks for (opened on first use,
+    /// except with `on`, which opens it now).
+    pub fn attach<'m>(&self, model: &'m Model<'m>, session: &mut Session<'m>) -> anyhow::Result<()> {
+        if let Some(backend) = OnDemand::new(model, self.mode())? {
+            session.set_prefill_backend(Box::new(backend));
+        }
+        Ok(())
+    }
+}
+
 impl CacheArgs {
     pub fn storage(&self) -> Storage {
         Storage { mode: self.kv_cache, ..Storage::default() }
@@ -196,6 +225,7 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
             || cause.is::<TokenizerError>()
             || cause.is::<InputError>()
             || cause.is::<ChatError>()
+            || cause.is::<GpuError>()
         {
             return EXIT_MODEL;
         }

@@ -12,7 +12,7 @@ use sift::model::Model;
 use sift::perplexity::{self, evaluate, Evaluation, KlReport, PerplexityReport, Windows, TOP_K};
 use sift::tokenizer::Tokenizer;
 
-use super::{CacheArgs, InputError, ModelArgs, Usage};
+use super::{CacheArgs, GpuArgs, InputError, ModelArgs, Usage};
 
 #[derive(Args)]
 pub struct PerplexityArgs {
@@ -20,6 +20,8 @@ pub struct PerplexityArgs {
     model: ModelArgs,
     #[command(flatten)]
     cache: CacheArgs,
+    #[command(flatten)]
+    gpu: GpuArgs,
     /// Text file to score; repeat it, or name a directory to score its .txt files
     #[arg(short, long = "file", required = true)]
     files: Vec<PathBuf>,
@@ -85,6 +87,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     };
     let keep_top = if args.kl_base.is_some() && !args.kl { TOP_K } else { 0 };
     let mut session = Session::with_cache(&model, args.ctx, DEFAULT_BATCH, args.cache.storage());
+    args.gpu.attach(&model, &mut session)?;
     eprintln!(
         "sift: {} file(s), {} tokens, context {}, KV cache {}",
         paths.len(),

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use clap::builder::NonEmptyStringValueParser;
 use clap::Args;
-use sift::audit::{AuditError, AuditHeader, AuditLog, AuditRecord, AuditSummary, Certificate};
+use sift::attn::AttentionKind;
+use sift::audit::{AuditError, AuditHeader, AuditLog, AuditRecord, AuditSummary};
 use sift::chat::{self, ChatTemplate, Message};
 use sift::engine::{EngineError, Session, DEFAULT_BATCH};
 use sift::generate::{generate, Limits, Sampled};
@@ -15,7 +16,7 @@ use sift::sample::{Sampler, SamplingParams};
 use sift::tokenizer::Tokenizer;
 
 use super::chat::announce_template;
-use super::{context_size, read_prompt, CacheArgs, ModelArgs};
+use super::{context_size, read_prompt, CacheArgs, GpuArgs, ModelArgs};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -75,6 +76,8 @@ pub struct GenerationArgs {
     seed: Option<u64>,
     #[command(flatten)]
     pub cache: CacheArgs,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
     /// Write an audit of the generation to FILE, as JSON Lines: a header (model, cache,
     /// attention, context, sampling), per token its log-probability, the 5 most likely tokens and
     /// the attention's error bound, and a summary. A regular FILE appears only once complete
@@ -128,10 +131,19 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
         let arch = model.hp.arch.gguf_name();
-        audit.header(&AuditHeader::new(file.path(), arch, kv_cache, n_ctx, &sampling, Some(prompt_ids.len())))?;
+        audit.header(&AuditHeader::new(
+            file.path(),
+            arch,
+            kv_cache,
+            AttentionKind::Dense,
+            n_ctx,
+            &sampling,
+            Some(prompt_ids.len()),
+        ))?;
     }
     let mut sampler = Sampler::new(sampling);
     let mut session = Session::with_cache(&model, n_ctx, DEFAULT_BATCH, args.generation.cache.storage());
+    args.generation.gpu.attach(&model, &mut session)?;
     if !args.quiet {
         if let Some(template) = &template {
             announce_template(template);
@@ -209,8 +221,7 @@ pub fn audit_token(
     let Some(audit) = audit else {
         return ControlFlow::Continue(());
     };
-    // Attention is dense today, so exact.
-    match audit.token(&AuditRecord::new(sampled, tokenizer, turn, Certificate::DENSE)) {
+    match audit.token(&AuditRecord::new(sampled, tokenizer, turn)) {
         Ok(()) => ControlFlow::Continue(()),
         Err(e) => {
             *failure = Some(e);

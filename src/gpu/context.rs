@@ -472,6 +472,11 @@ impl Batch<'_> {
         f(&mut pass)
     }
 
+    /// Records zeroing all of `buffer`.
+    pub fn clear(&mut self, buffer: &wgpu::Buffer) {
+        self.encoder.clear_buffer(buffer, 0, None);
+    }
+
     /// Records a copy of `bytes` bytes between buffers.
     pub fn copy(&mut self, from: &wgpu::Buffer, from_offset: u64, to: &wgpu::Buffer, to_offset: u64, bytes: u64) {
         self.encoder.copy_buffer_to_buffer(from, from_offset, to, to_offset, bytes);

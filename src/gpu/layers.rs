@@ -43,17 +43,9 @@ impl LayerKernels {
         })
     }
 
-    /// `out = x / rms(x) * weight` for `rows` rows of `weight`'s width.
-    pub fn rms_norm(
-        &self,
-        b: &mut Batch,
-        x: &Buffer,
-        weight: &Buffer,
-        out: &Buffer,
-        rows: usize,
-        width: usize,
-        eps: f32,
-    ) {
+    /// `out = x / rms(x) * weight` for `rows` rows as wide as `weight` (f32).
+    pub fn rms_norm(&self, b: &mut Batch, x: &Buffer, weight: &Buffer, out: &Buffer, rows: usize, eps: f32) {
+        let width = weight.size() / 4;
         let params = [width as u32, rows as u32, eps.to_bits(), 0];
         let groups = b.grid(rows as u32);
         b.dispatch(
@@ -65,7 +57,8 @@ impl LayerKernels {
     }
 
     /// [`Self::rms_norm`] in place.
-    pub fn rms_norm_in_place(&self, b: &mut Batch, x: &Buffer, weight: &Buffer, rows: usize, width: usize, eps: f32) {
+    pub fn rms_norm_in_place(&self, b: &mut Batch, x: &Buffer, weight: &Buffer, rows: usize, eps: f32) {
+        let width = weight.size() / 4;
         let params = [width as u32, rows as u32, eps.to_bits(), 0];
         let groups = b.grid(rows as u32);
         b.dispatch(&self.norm_in_place, &params, &[weight.as_entire_binding(), x.as_entire_binding()], groups);
@@ -119,7 +112,7 @@ impl LayerKernels {
     /// Writes `len` (even) f32 values of `src` as f16 into `dst`, starting at
     /// its element `dst_offset` (even).
     pub fn to_f16(&self, b: &mut Batch, src: &Buffer, dst: &Buffer, len: usize, dst_offset: usize) {
-        debug_assert!(len % 2 == 0 && dst_offset % 2 == 0);
+        debug_assert!(len.is_multiple_of(2) && dst_offset.is_multiple_of(2));
         let pairs = (len / 2) as u32;
         let groups = b.grid(pairs.div_ceil(LANES));
         let params = [pairs, (dst_offset / 2) as u32, 0, 0];

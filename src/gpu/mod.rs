@@ -17,6 +17,8 @@
 
 mod context;
 pub mod layers;
+pub mod on_demand;
+pub mod prefill;
 
 pub use context::{AdapterPolicy, Batch, GpuContext, GpuError, Kernel, Shader};
 
