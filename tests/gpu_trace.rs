@@ -5,16 +5,20 @@
 //! weights in f16, its attention inputs in f16, its sums in another order.
 //! Every stage of every layer must agree within a tolerance that such rounding
 //! stays under and a wrong index, a wrong constant or a missing stage does not.
+//! Against that CPU, the greedy continuations of the golden prompts after a GPU
+//! prefill are the CPU prefill's, every step.
 
 mod common;
 
 use std::path::Path;
 
 use sift::attn::dense::Dense;
+use sift::engine::Session;
 use sift::gguf::GgufFile;
 use sift::gpu::prefill::GpuPrefill;
 use sift::kv::{KvCache, Storage};
 use sift::model::{Attention, Model, Outputs, Scratch};
+use sift::sample::argmax;
 
 type Stages = Vec<(String, usize, Vec<f32>)>;
 
@@ -110,4 +114,32 @@ fn tiny_qwen2_stages_match_the_cpu() {
         &prompt(37, 30_000),
         0.05,
     );
+}
+
+#[test]
+fn default_model_greedy_after_gpu_prefill_equals_the_f32_cpu() {
+    let test = "default_model_greedy_after_gpu_prefill_equals_the_f32_cpu";
+    let Some(gpu) = common::gpu(test) else { return };
+    let Some(shared) = common::shared_dir(test) else { return };
+    sift::matmul::set_f32_activations(true);
+    let json = common::read_json(&shared.join("anchors/reference/gemma3-270m-greedy.json"));
+    let file = GgufFile::open(&common::default_model()).unwrap();
+    let model = Model::load(&file).unwrap();
+    let prefill = GpuPrefill::new(gpu, &model).unwrap();
+    let cases = json["variants"].as_object().unwrap().values().next().unwrap()["cases"].as_array().unwrap().clone();
+    for (c, case) in cases.iter().enumerate() {
+        let prompt: Vec<u32> =
+            case["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let greedy = |session: &mut Session| {
+            let mut tokens = vec![argmax(session.prefill(&prompt).unwrap()) as u32];
+            while tokens.len() < 16 {
+                tokens.push(argmax(session.decode(*tokens.last().unwrap()).unwrap()) as u32);
+            }
+            tokens
+        };
+        let mut cpu = Session::new(&model, 512);
+        let mut on_gpu = Session::new(&model, 512);
+        on_gpu.set_prefill_backend(Box::new(&prefill));
+        assert_eq!(greedy(&mut on_gpu), greedy(&mut cpu), "case {c}");
+    }
 }
