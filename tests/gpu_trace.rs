@@ -123,7 +123,7 @@ fn default_model_greedy_after_gpu_prefill_equals_the_f32_cpu() {
     let Some(shared) = common::shared_dir(test) else { return };
     sift::matmul::set_f32_activations(true);
     let json = common::read_json(&shared.join("anchors/reference/gemma3-270m-greedy.json"));
-    let file = GgufFile::open(&common::default_model()).unwrap();
+    let file = GgufFile::open(common::default_model()).unwrap();
     let model = Model::load(&file).unwrap();
     let prefill = GpuPrefill::new(gpu, &model).unwrap();
     let cases = json["variants"].as_object().unwrap().values().next().unwrap()["cases"].as_array().unwrap().clone();
