@@ -80,3 +80,21 @@ fn buffers_over_the_device_limit_are_refused() {
     let too_many = (gpu.limits.max_storage_buffer_binding_size / 4 + 1) as usize;
     assert!(matches!(gpu.storage::<f32>("huge", too_many), Err(GpuError::TooLarge { .. })));
 }
+
+#[test]
+fn gpu_on_without_an_adapter_is_a_one_line_error_with_exit_2() {
+    // No Vulkan driver: the loader finds none (as on a machine without a GPU).
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sift"))
+        .args(["run", "--gpu", "on", "-n", "1", "-p", "hi", "-m"])
+        .arg(common::default_model())
+        .env("VK_DRIVER_FILES", "/nonexistent/icd.json")
+        .env("VK_ICD_FILENAMES", "/nonexistent/icd.json")
+        .env("XDG_RUNTIME_DIR", std::env::temp_dir())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.contains("no GPU adapter")).collect();
+    assert_eq!(errors.len(), 1, "{stderr}");
+    assert!(out.stdout.is_empty());
+}
