@@ -143,3 +143,33 @@ fn default_model_greedy_after_gpu_prefill_equals_the_f32_cpu() {
         assert_eq!(greedy(&mut on_gpu), greedy(&mut cpu), "case {c}");
     }
 }
+
+#[test]
+fn chunked_gpu_prefill_matches_one_chunk() {
+    let test = "chunked_gpu_prefill_matches_one_chunk";
+    let Some(gpu) = common::gpu(test) else { return };
+    let Some(shared) = common::shared_dir(test) else { return };
+    let file = GgufFile::open(shared.join("anchors/models/tiny-qwen2.gguf")).unwrap();
+    let model = Model::load(&file).unwrap();
+    let tokens = prompt(45, 30_000);
+    let run = |max_chunk: usize| {
+        let mut cache = KvCache::new(&model.cache_shape(), Storage::default(), 256, 256);
+        let prefill = GpuPrefill::new(gpu, &model).unwrap().with_max_chunk(max_chunk);
+        let hidden = prefill.run(&tokens, &mut cache, Outputs::All, None).unwrap();
+        (hidden, cache)
+    };
+    let (whole, whole_cache) = run(usize::MAX);
+    // Chunks of 16, 16 and 13: later chunks attend to the resident keys of earlier ones.
+    let (chunked, chunked_cache) = run(16);
+    let err = relative_error(&chunked, &whole);
+    assert!(err < 1e-4, "hidden states of a chunked prefill differ by {err}");
+    let mut a = vec![0.0; model.hp.head_dim_v];
+    let mut b = vec![0.0; model.hp.head_dim_v];
+    for il in 0..model.hp.n_layer {
+        for pos in 0..tokens.len() {
+            chunked_cache.layer(il).value(0, pos, &mut a);
+            whole_cache.layer(il).value(0, pos, &mut b);
+            assert!(relative_error(&a, &b) < 1e-3, "layer {il} position {pos}: cached values differ");
+        }
+    }
+}

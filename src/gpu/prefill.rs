@@ -72,6 +72,8 @@ pub struct GpuPrefill<'m> {
     matmul: Matmul,
     attention: Attention,
     min_tokens: usize,
+    /// A cap on [`Self::chunk_tokens`] below the device's.
+    max_chunk: usize,
 }
 
 /// The activations of one chunk of `tokens` rows.
@@ -138,6 +140,7 @@ impl<'m> GpuPrefill<'m> {
             matmul: Matmul::new(&ctx.device, path),
             attention,
             min_tokens: 1,
+            max_chunk: usize::MAX,
         })
     }
 
@@ -154,13 +157,20 @@ impl<'m> GpuPrefill<'m> {
         let row_bytes = widest.unwrap_or(1) as u64 * 4;
         let limit = self.ctx.limits.max_storage_buffer_binding_size.min(self.ctx.limits.max_buffer_size);
         // Room for the attention kernel's padding of the last block.
-        ((limit / row_bytes) as usize).saturating_sub(64).max(1)
+        ((limit / row_bytes) as usize).saturating_sub(64).clamp(1, self.max_chunk)
     }
 
     /// Prompts shorter than `min_tokens` are left to the CPU (`--gpu auto`'s
     /// threshold; 1 takes every prompt).
     pub fn with_min_tokens(mut self, min_tokens: usize) -> Self {
         self.min_tokens = min_tokens.max(1);
+        self
+    }
+
+    /// Chunks of at most `tokens` tokens, fewer than the device allows (to
+    /// bound the GPU's memory, or to exercise chunking on a small prompt).
+    pub fn with_max_chunk(mut self, tokens: usize) -> Self {
+        self.max_chunk = tokens.max(1);
         self
     }
 
