@@ -89,6 +89,11 @@ impl<'m> Conversation<'m> {
         &self.session
     }
 
+    /// The session, to set its prefill backend (`--gpu`).
+    pub fn session_mut(&mut self) -> &mut Session<'m> {
+        &mut self.session
+    }
+
     pub fn tokenizer(&self) -> &'m Tokenizer {
         self.tokenizer
     }

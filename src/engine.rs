@@ -4,9 +4,17 @@
 //! layer's attention is the session's [`AttentionPolicy`] (dense unless
 //! asked otherwise), and every call leaves its heads' records behind
 //! ([`Session::last_records`]).
+//!
+//! A prompt's forward pass is a [`PrefillBackend`]'s: [`CpuPrefill`] runs it
+//! in batches through [`Model::forward`] under the session's policy; a GPU
+//! backend ([`crate::gpu::prefill::GpuPrefill`]) takes the prompts it is
+//! given ([`Session::set_prefill_backend`]) and says which it takes. Either
+//! leaves every position's keys and values in the session's cache, in its
+//! mode, and the final hidden states of the rows asked for. Decoding is the CPU's.
 
 use crate::attn::dense::Dense;
 use crate::attn::{AttentionPolicy, HeadRecord};
+use crate::gpu::GpuError;
 use crate::kv::{KvCache, Storage};
 use crate::matmul::MatmulScratch;
 use crate::model::{Attention, Model, Outputs, Scratch};
@@ -25,6 +33,63 @@ pub enum EngineError {
     TokenOutOfRange { id: u32, n_vocab: usize },
     #[error("nothing to evaluate: the prompt is empty")]
     EmptyInput,
+    #[error("GPU prefill: {0}")]
+    Gpu(#[from] GpuError),
+}
+
+/// Runs a prompt's forward pass: stores the keys and values of `tokens` at
+/// positions `pos0..` in `cache` and leaves the final-normed hidden states of
+/// the `outputs` rows in `hidden`.
+pub trait PrefillBackend: Send {
+    /// Whether this backend takes `n` tokens appended after `pos0` positions.
+    fn takes(&mut self, pos0: usize, n: usize) -> bool;
+
+    fn prefill(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut KvCache,
+        outputs: Outputs,
+        hidden: &mut Vec<f32>,
+    ) -> Result<(), EngineError>;
+}
+
+/// The CPU's prefill: [`Model::forward`] over batches of at most `batch`
+/// tokens, attention by the session's policy.
+pub struct CpuPrefill<'a, 'm> {
+    pub model: &'m Model<'m>,
+    pub scratch: &'a mut Scratch,
+    pub attention: Attention<'a>,
+    pub batch: usize,
+}
+
+impl PrefillBackend for CpuPrefill<'_, '_> {
+    fn takes(&mut self, _pos0: usize, _n: usize) -> bool {
+        true
+    }
+
+    fn prefill(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut KvCache,
+        outputs: Outputs,
+        hidden: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        hidden.clear();
+        let mut pos = pos0;
+        for chunk in tokens.chunks(self.batch) {
+            self.model.forward(chunk, pos, cache, self.scratch, outputs, &mut self.attention, None);
+            if outputs == Outputs::All {
+                hidden.extend_from_slice(&self.scratch.hidden);
+            }
+            pos += chunk.len();
+        }
+        if outputs == Outputs::Last {
+            hidden.extend_from_slice(&self.scratch.hidden);
+        }
+        Ok(())
+    }
 }
 
 pub struct Session<'m> {
@@ -40,6 +105,10 @@ pub struct Session<'m> {
     records: Vec<HeadRecord>,
     /// Decoding steps since the last reset.
     steps: u64,
+    /// Final-normed hidden states of the rows the latest call asked for.
+    hidden: Vec<f32>,
+    /// The backend that takes the prompts it wants; the CPU takes the rest.
+    prefill_backend: Option<Box<dyn PrefillBackend + 'm>>,
 }
 
 impl<'m> Session<'m> {
@@ -82,7 +151,15 @@ impl<'m> Session<'m> {
             policy,
             records: Vec::new(),
             steps: 0,
+            hidden: Vec::new(),
+            prefill_backend: None,
         }
+    }
+
+    /// Hands the prompts `backend` takes to it (a GPU); the CPU keeps the rest
+    /// and every decoding step.
+    pub fn set_prefill_backend(&mut self, backend: Box<dyn PrefillBackend + 'm>) {
+        self.prefill_backend = Some(backend);
     }
 
     pub fn policy(&self) -> &dyn AttentionPolicy {
@@ -133,14 +210,12 @@ impl<'m> Session<'m> {
         self.check(tokens)?;
         self.records.clear();
         threads::on_pool(|| {
-            for chunk in tokens.chunks(self.batch) {
-                self.forward(chunk, Outputs::Last);
-            }
+            self.forward(tokens, Outputs::Last)?;
             let n_vocab = self.model.hp.n_vocab;
             self.logits.resize(n_vocab, 0.0);
-            self.model.logits(&self.scratch.hidden, &mut self.logits, &mut self.head_scratch);
-        });
-        Ok(&self.logits)
+            self.model.logits(&self.hidden, &mut self.logits, &mut self.head_scratch);
+            Ok(&self.logits[..])
+        })
     }
 
     /// Appends one token and returns the logits after it: a decoding step.
@@ -157,16 +232,26 @@ impl<'m> Session<'m> {
         self.check(tokens)?;
         assert!(tokens.len() <= self.batch, "evaluate_all takes at most one batch");
         self.records.clear();
-        threads::on_pool(|| self.forward(tokens, Outputs::All));
-        Ok(&self.scratch.hidden)
+        threads::on_pool(|| self.forward(tokens, Outputs::All))?;
+        Ok(&self.hidden)
     }
 
-    /// One forward call over `tokens` (at most one batch), appending to the
-    /// cache and to the records.
-    fn forward(&mut self, tokens: &[u32], outputs: Outputs) {
-        let mut attention = Attention { policy: &mut *self.policy, step: self.steps, records: &mut self.records };
-        self.model.forward(tokens, self.n_past, &mut self.cache, &mut self.scratch, outputs, &mut attention);
-        self.n_past += tokens.len();
+    /// Runs `tokens` on the backend that takes them, appending to the cache
+    /// and, on the CPU, to the records.
+    fn forward(&mut self, tokens: &[u32], outputs: Outputs) -> Result<(), EngineError> {
+        let (pos0, n) = (self.n_past, tokens.len());
+        let backend = self.prefill_backend.as_deref_mut().and_then(|b| b.takes(pos0, n).then_some(b));
+        match backend {
+            Some(backend) => backend.prefill(tokens, pos0, &mut self.cache, outputs, &mut self.hidden)?,
+            None => {
+                let attention = Attention { policy: &mut *self.policy, step: self.steps, records: &mut self.records };
+                let mut cpu =
+                    CpuPrefill { model: self.model, scratch: &mut self.scratch, attention, batch: self.batch };
+                cpu.prefill(tokens, pos0, &mut self.cache, outputs, &mut self.hidden)?;
+            }
+        }
+        self.n_past += n;
+        Ok(())
     }
 
     fn check(&self, tokens: &[u32]) -> Result<(), EngineError> {

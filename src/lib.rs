@@ -16,6 +16,7 @@ pub mod conversation;
 pub mod engine;
 pub mod generate;
 pub mod gguf;
+pub mod gpu;
 pub mod kv;
 pub mod matmul;
 pub mod model;

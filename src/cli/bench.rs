@@ -18,7 +18,10 @@ use sift::kv::{KvMode, Storage};
 use sift::model::Model;
 
 use super::attn::PolicyArgs;
-use super::ModelArgs;
+use super::{GpuArgs, ModelArgs};
+use sift::gpu::on_demand::{GpuMode, AUTO_MIN_TOKENS};
+use sift::gpu::prefill::GpuPrefill;
+use sift::gpu::{AdapterPolicy, GpuContext};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -47,8 +50,10 @@ pub struct BenchArgs {
     /// Dot f32 activations with weights dequantized to f32 instead of 8-bit activations
     #[arg(long)]
     f32_activations: bool,
-    /// Print JSON rows {test, kv_cache, attn, kv_bytes_per_token, keys_per_step, bytes_per_step,
-    /// tokens_per_s, stddev, median, samples} instead of a table
+    #[command(flatten)]
+    gpu: GpuArgs,
+    /// Print JSON rows {test, prefill, kv_cache, attn, kv_bytes_per_token, keys_per_step,
+    /// bytes_per_step, tokens_per_s, stddev, median, samples, ttft_ms} instead of a table
     #[arg(long)]
     json: bool,
 }
@@ -59,6 +64,8 @@ const PERTURBATION_SEED: u64 = 0;
 #[derive(serde::Serialize)]
 struct Row {
     test: String,
+    /// Where the prompt was prefilled: "cpu" or "gpu" (decoding is the CPU's).
+    prefill: &'static str,
     kv_cache: String,
     attn: AttentionKind,
     kv_bytes_per_token: f64,
@@ -72,6 +79,9 @@ struct Row {
     stddev: f64,
     median: f64,
     samples: Vec<f64>,
+    /// pp tests: time to first token, the median prefill time including the
+    /// first token's logits.
+    ttft_ms: Option<f64>,
 }
 
 /// Keys and bytes read by the decoding steps of a run.
@@ -97,13 +107,48 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         (0..n).map(|i| if i == 0 { bos.unwrap_or(0) } else { rng.random_range(0..n_vocab) }).collect()
     };
 
+    // The GPU is opened and the weights uploaded once, before any timing.
+    let gpu = match args.gpu.mode() {
+        GpuMode::Off => None,
+        mode => {
+            let policy = if mode == GpuMode::On { AdapterPolicy::AllowSoftware } else { AdapterPolicy::Hardware };
+            match GpuContext::open(policy) {
+                Ok(ctx) => Some(ctx),
+                Err(e) if mode == GpuMode::On => return Err(e.into()),
+                Err(e) => {
+                    eprintln!("sift: {e}; prefill stays on the CPU");
+                    None
+                }
+            }
+        }
+    };
+    let gpu_prefill = match &gpu {
+        Some(ctx) => {
+            let started = Instant::now();
+            let min_tokens = if args.gpu.mode() == GpuMode::On { 1 } else { AUTO_MIN_TOKENS };
+            let prefill = GpuPrefill::new(ctx, &model)?.with_min_tokens(min_tokens);
+            eprintln!(
+                "sift: GPU weights uploaded in {:.0} ms; {} kernels; prompts of {min_tokens}+ tokens on the GPU",
+                started.elapsed().as_secs_f64() * 1e3,
+                prefill.path().name()
+            );
+            Some(prefill)
+        }
+        None => None,
+    };
+    let on_gpu = |p: usize| gpu_prefill.as_ref().is_some_and(|g| g.takes_prompt(p));
+
     let mut rows = Vec::new();
     for (&mode, &attn) in args.kv_caches.iter().flat_map(|m| args.attns.iter().map(move |a| (m, a))) {
         let storage = Storage { mode, ..Storage::default() };
         let per_token = model.cache_shape().bytes_per_token(mode);
         let session = |n_ctx| -> anyhow::Result<Session> {
             let policy = args.policy.policy(attn, PERTURBATION_SEED, false)?;
-            Ok(Session::with_policy(&model, n_ctx, DEFAULT_BATCH, storage, policy))
+            let mut session = Session::with_policy(&model, n_ctx, DEFAULT_BATCH, storage, policy);
+            if let Some(prefill) = &gpu_prefill {
+                session.set_prefill_backend(Box::new(prefill));
+            }
+            Ok(session)
         };
         let row = |test: String, samples, reads: Option<Reads>| Row {
             keys_per_step: reads.map(|r| r.keys / r.steps.max(1) as f64),
@@ -124,7 +169,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                     session.prefill(&prompt)?;
                     Ok(t.elapsed().as_secs_f64())
                 })?;
-                rows.push(row(format!("pp{p}{suffix}"), samples, None));
+                let mut r = row(format!("pp{p}{suffix}"), samples, None);
+                r.ttft_ms = Some(p as f64 / r.median * 1e3);
+                r.prefill = if depth == 0 && on_gpu(p) { "gpu" } else { "cpu" };
+                rows.push(r);
             }
             for &n in args.gens.iter().filter(|&&n| n > 0) {
                 let context = random_tokens(depth.max(1));
@@ -157,17 +205,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let gib = file.tensors().iter().map(|t| t.n_bytes).sum::<usize>() as f64 / (1u64 << 30) as f64;
     println!(
-        "| model | size | threads | isa | kv cache | attn | KV B/token | test | keys/step | MiB/step | t/s | median |"
+        "| model | size | threads | isa | prefill | kv cache | attn | KV B/token | test | keys/step | MiB/step | t/s | median | TTFT ms |"
     );
-    println!("| --- | ---: | ---: | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |");
+    println!("| --- | ---: | ---: | --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |");
     let or_dash = |x: Option<String>| x.unwrap_or_else(|| "-".into());
     for r in &rows {
         println!(
-            "| {} {} | {gib:.2} GiB | {} | {} | {} | {} | {:.0} | {} | {} | {} | {:.2} ± {:.2} | {:.2} |",
+            "| {} {} | {gib:.2} GiB | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {:.2} ± {:.2} | {:.2} | {} |",
             model.hp.arch.gguf_name(),
             model.hp.name,
             rayon::current_num_threads(),
             simd::kernels().isa(),
+            r.prefill,
             r.kv_cache,
             r.attn,
             r.kv_bytes_per_token,
@@ -176,7 +225,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             or_dash(r.bytes_per_step.map(|b| format!("{:.2}", b / (1u64 << 20) as f64))),
             r.tokens_per_s,
             r.stddev,
-            r.median
+            r.median,
+            r.ttft_ms.map_or(String::new(), |t| format!("{t:.1}"))
         );
     }
     Ok(())
@@ -211,5 +261,7 @@ fn row(test: String, mode: KvMode, attn: AttentionKind, kv_bytes_per_token: f64,
         stddev: var.sqrt(),
         median,
         samples,
+        prefill: "cpu",
+        ttft_ms: None,
     }
 }

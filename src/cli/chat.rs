@@ -105,6 +105,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         turns: 0,
         tokens: 0,
     };
+    args.generation.gpu.attach(&model, chat.conversation.session_mut())?;
     chat.set_system(args.system);
     if std::io::stdin().is_terminal() {
         chat.interactive()?;

@@ -4,6 +4,7 @@
 mod attn;
 mod bench;
 mod chat;
+mod gpu_bench;
 mod inspect;
 mod perplexity;
 mod run;
@@ -18,10 +19,12 @@ use clap::{Args, CommandFactory, Parser, Subcommand};
 use sift::audit::{AuditError, AuditLog};
 use sift::chat::{ChatError, ChatTemplate, Origin};
 use sift::conversation::ConversationError;
-use sift::engine::EngineError;
+use sift::engine::{EngineError, Session};
 use sift::gguf::{GgufError, GgufFile, Residence};
+use sift::gpu::on_demand::{GpuMode, OnDemand};
+use sift::gpu::GpuError;
 use sift::kv::{KvMode, Storage};
-use sift::model::ModelError;
+use sift::model::{Model, ModelError};
 use sift::perplexity::PerplexityError;
 use sift::sample::SamplingParams;
 use sift::tokenizer::TokenizerError;
@@ -67,6 +70,8 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Measure prompt processing and generation speed, as llama-bench does.
     Bench(bench::BenchArgs),
+    /// Measure the GPU kernels (matmul, attention) in TFLOP/s on each kernel path.
+    GpuBench(gpu_bench::GpuBenchArgs),
     /// Print a shell completion script, e.g. `source <(sift completions bash)`.
     Completions {
         #[arg(value_enum)]
@@ -138,6 +143,33 @@ pub struct CacheArgs {
     pub kv_cache: KvMode,
 }
 
+/// Where prompts are prefilled, for every command that runs the model.
+#[derive(Args, Clone)]
+pub struct GpuArgs {
+    /// GPU prefill through Vulkan: auto prefills a prompt of at least 2048
+    /// tokens that starts the context on a discrete or integrated GPU when
+    /// there is one (the CPU otherwise); on prefills every such prompt on the
+    /// GPU, a software renderer such as lavapipe included, and fails (exit 2)
+    /// without one; off never opens the GPU. Decoding stays on the CPU
+    #[arg(long, env = "SIFT_GPU", default_value = "auto", value_parser = ["auto", "on", "off"])]
+    pub gpu: String,
+}
+
+impl GpuArgs {
+    pub fn mode(&self) -> GpuMode {
+        self.gpu.parse().unwrap_or(GpuMode::Auto)
+    }
+
+    /// Gives `session` the GPU prefill `--gpu` asks for (opened on first use,
+    /// except with `on`, which opens it now).
+    pub fn attach<'m>(&self, model: &'m Model<'m>, session: &mut Session<'m>) -> anyhow::Result<()> {
+        if let Some(backend) = OnDemand::new(model, self.mode())? {
+            session.set_prefill_backend(Box::new(backend));
+        }
+        Ok(())
+    }
+}
+
 impl CacheArgs {
     pub fn storage(&self) -> Storage {
         Storage { mode: self.kv_cache, ..Storage::default() }
@@ -172,6 +204,8 @@ pub struct GenerationArgs {
     pub cache: CacheArgs,
     #[command(flatten)]
     pub attention: AttentionArgs,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
 }
 
 /// `--audit-out`, for `run` and `chat`.
@@ -234,6 +268,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Tokenize(args) => tokenize::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::GpuBench(args) => gpu_bench::run(args),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "sift", &mut std::io::stdout());
             Ok(())
@@ -294,6 +329,7 @@ fn cause_code(cause: &(dyn std::error::Error + 'static)) -> Option<u8> {
         || cause.is::<TokenizerError>()
         || cause.is::<InputError>()
         || cause.is::<ChatError>()
+        || cause.is::<GpuError>()
     {
         return Some(EXIT_MODEL);
     }

@@ -18,7 +18,7 @@ use sift::perplexity::{self, evaluate, Evaluation, KlReport, PerplexityReport, P
 use sift::tokenizer::Tokenizer;
 
 use super::attn::AttentionArgs;
-use super::{CacheArgs, InputError, ModelArgs, Usage};
+use super::{CacheArgs, GpuArgs, InputError, ModelArgs, Usage};
 
 #[derive(Args)]
 pub struct PerplexityArgs {
@@ -26,6 +26,8 @@ pub struct PerplexityArgs {
     model: ModelArgs,
     #[command(flatten)]
     cache: CacheArgs,
+    #[command(flatten)]
+    gpu: GpuArgs,
     /// Text file to score; repeat it, or name a directory to score its .txt files
     #[arg(short, long = "file", required = true)]
     files: Vec<PathBuf>,
@@ -113,6 +115,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     };
     let keep_top = if args.kl_base.is_some() && !args.kl { TOP_K } else { 0 };
     let mut session = Session::with_policy(&model, args.ctx, DEFAULT_BATCH, args.cache.storage(), policy);
+    args.gpu.attach(&model, &mut session)?;
     eprintln!(
         "sift: {} file(s), {} tokens, context {}, KV cache {}, attention {}",
         paths.len(),

@@ -78,6 +78,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let storage = args.generation.cache.storage();
     let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
+    args.generation.gpu.attach(&model, conversation.session_mut())?;
     conversation.check_fits(&prompt_ids)?;
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;

@@ -57,7 +57,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
     let storage = args.generation.cache.storage();
-    let conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
+    let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
+    args.generation.gpu.attach(&model, conversation.session_mut())?;
     let listener = TcpListener::bind((args.host, args.port))
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
     let address = listener.local_addr().context("reading the address listened on")?;

@@ -55,6 +55,11 @@ impl KvCache {
         &mut self.layers[il]
     }
 
+    /// Every layer, to fill them in parallel.
+    pub fn layers_mut(&mut self) -> &mut [PagedLayer] {
+        &mut self.layers
+    }
+
     /// Everything the cache allocated.
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(PagedLayer::bytes).sum()

@@ -59,6 +59,12 @@ impl RopeTable {
         }
     }
 
+    /// The (cos, sin) pairs, `n_rot / 2` per position of the batch, position
+    /// after position: the GPU's RoPE reads the same angles.
+    pub fn cos_sin(&self) -> &[(f32, f32)] {
+        &self.cos_sin
+    }
+
     /// Rotates every head of `x` (one token's `n_heads * head_dim` row) for the
     /// `t`-th position of the batch.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, t: usize, style: RopeStyle) {

@@ -8,9 +8,9 @@
 //! differ only in the bracketed steps and a few constants ([`HParams`]).
 
 pub mod arch;
-mod blocks;
+pub mod blocks;
 pub mod hparams;
-mod weights;
+pub mod weights;
 
 use simd::WeightType;
 
@@ -21,7 +21,7 @@ use crate::matmul::MatmulScratch;
 pub use arch::Arch;
 use blocks::RopeTable;
 pub use hparams::HParams;
-use weights::Weights;
+pub use weights::Weights;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -56,6 +56,13 @@ pub struct Attention<'a> {
     pub step: u64,
     pub records: &'a mut Vec<HeadRecord>,
 }
+
+/// Receives each stage's output during a forward pass: the stage's name (as
+/// llama.cpp names its intermediates, e.g. `attn_norm`, `q_rope`, `ffn_out`,
+/// `l_out`), the layer, and the stage's rows for the whole batch. Backends
+/// report the same stages under the same names, so two runs can be compared
+/// layer by layer and a divergence found at its stage.
+pub type Trace<'t> = &'t mut dyn FnMut(&str, usize, &[f32]);
 
 /// Work buffers for a forward pass, grown once to the largest batch seen.
 #[derive(Default)]
@@ -115,6 +122,11 @@ impl<'a> Model<'a> {
         layers + m(&self.w.output)
     }
 
+    /// The tensors, for a backend that runs the layers itself.
+    pub fn weights(&self) -> &Weights<'a> {
+        &self.w
+    }
+
     pub fn output_type(&self) -> WeightType {
         self.w.output.ty
     }
@@ -123,7 +135,9 @@ impl<'a> Model<'a> {
     /// `cache`, and leaves the final-normed hidden states of the `outputs`
     /// rows in `s.hidden`. Every layer's attention is `attention`'s, which
     /// appends what it did to `records`. The caller keeps positions inside
-    /// the cache and batches no larger than the cache was built for.
+    /// the cache and batches no larger than the cache was built for. With a
+    /// `trace`, every stage's output is handed to it.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &self,
         tokens: &[u32],
@@ -132,7 +146,13 @@ impl<'a> Model<'a> {
         s: &mut Scratch,
         outputs: Outputs,
         attention: &mut Attention,
+        mut trace: Option<Trace>,
     ) {
+        let mut stage = |name: &str, layer: usize, rows: &[f32]| {
+            if let Some(trace) = trace.as_mut() {
+                trace(name, layer, rows);
+            }
+        };
         let hp = &self.hp;
         let n = tokens.len();
         let (q_dim, kv_dim_k, kv_dim_v) =
@@ -160,6 +180,7 @@ impl<'a> Model<'a> {
         for (il, l) in self.w.layers.iter().enumerate() {
             // Attention block.
             blocks::rms_norm(&s.x, &l.attn_norm, hp.rms_eps, &mut s.normed);
+            stage("attn_norm", il, &s.normed);
             l.wq.matmul(&s.normed, &mut s.q, &mut s.matmul);
             l.wk.matmul(&s.normed, &mut s.k, &mut s.matmul);
             l.wv.matmul(&s.normed, &mut s.v, &mut s.matmul);
@@ -168,17 +189,24 @@ impl<'a> Model<'a> {
                     blocks::add_bias(dst, bias);
                 }
             }
+            stage("q", il, &s.q);
+            stage("k", il, &s.k);
+            stage("v", il, &s.v);
             if let Some(w) = &l.q_norm {
                 blocks::rms_norm_in_place(&mut s.q, w, hp.rms_eps);
+                stage("q_norm", il, &s.q);
             }
             if let Some(w) = &l.k_norm {
                 blocks::rms_norm_in_place(&mut s.k, w, hp.rms_eps);
+                stage("k_norm", il, &s.k);
             }
             let rope = if hp.is_sliding(il) { &s.rope_sliding } else { &s.rope_global };
             for t in 0..n {
                 rope.apply(&mut s.q[t * q_dim..(t + 1) * q_dim], hp.head_dim_k, t, hp.rope.style);
                 rope.apply(&mut s.k[t * kv_dim_k..(t + 1) * kv_dim_k], hp.head_dim_k, t, hp.rope.style);
             }
+            stage("q_rope", il, &s.q);
+            stage("k_rope", il, &s.k);
             let layer_cache = cache.layer_mut(il);
             for t in 0..n {
                 layer_cache.store(
@@ -200,22 +228,31 @@ impl<'a> Model<'a> {
             };
             let call = LayerCall { layer: il, step: attention.step, batch: &batch, cache: cache.layer(il) };
             attention.policy.attend(&call, &mut s.attn, attention.records);
+            stage("attn_out", il, &s.attn);
             l.wo.matmul(&s.attn, &mut s.proj, &mut s.matmul);
+            stage("attn_proj", il, &s.proj);
             if let Some(w) = &l.post_attn_norm {
                 blocks::rms_norm_in_place(&mut s.proj, w, hp.rms_eps);
+                stage("attn_post_norm", il, &s.proj);
             }
             blocks::add_assign(&mut s.x, &s.proj);
+            stage("ffn_inp", il, &s.x);
 
             // Feed-forward block.
             blocks::rms_norm(&s.x, &l.ffn_norm, hp.rms_eps, &mut s.normed);
+            stage("ffn_norm", il, &s.normed);
             l.w_gate.matmul(&s.normed, &mut s.gate, &mut s.matmul);
             l.w_up.matmul(&s.normed, &mut s.up, &mut s.matmul);
             blocks::gated_activation(&mut s.gate, &s.up, hp.ffn_activation, hp.n_ff);
+            stage("ffn_act", il, &s.gate);
             l.w_down.matmul(&s.gate, &mut s.proj, &mut s.matmul);
+            stage("ffn_out", il, &s.proj);
             if let Some(w) = &l.post_ffn_norm {
                 blocks::rms_norm_in_place(&mut s.proj, w, hp.rms_eps);
+                stage("ffn_post_norm", il, &s.proj);
             }
             blocks::add_assign(&mut s.x, &s.proj);
+            stage("l_out", il, &s.x);
         }
 
         let rows = match outputs {

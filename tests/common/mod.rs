@@ -120,3 +120,24 @@ pub fn check_isa_under_test() {
         assert_eq!(simd::kernels().isa().name(), isa, "the kernel table is not the one asked for");
     }
 }
+
+/// The GPU the GPU tests run on, opened once (a software renderer such as
+/// lavapipe counts). `None`, with a visible message, where Vulkan lists no
+/// adapter; with `SIFT_GPU_TESTS=required` (CI, which installs lavapipe) a
+/// missing adapter fails the test instead.
+pub fn gpu(test: &str) -> Option<&'static sift::gpu::GpuContext> {
+    static GPU: OnceLock<Result<sift::gpu::GpuContext, String>> = OnceLock::new();
+    let opened = GPU.get_or_init(|| {
+        sift::gpu::GpuContext::open(sift::gpu::AdapterPolicy::AllowSoftware).map_err(|e| e.to_string())
+    });
+    match opened {
+        Ok(gpu) => Some(gpu),
+        Err(e) if std::env::var("SIFT_GPU_TESTS").is_ok_and(|v| v == "required") => {
+            panic!("{test}: SIFT_GPU_TESTS=required but {e}")
+        }
+        Err(e) => {
+            eprintln!("SKIPPED {test}: {e}");
+            None
+        }
+    }
+}

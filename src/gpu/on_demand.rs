@@ -1,0 +1,137 @@
+//! `--gpu auto|on|off`: which prompts the GPU prefills, and when it is opened.
+//!
+//! `off` never touches wgpu. `on` opens the adapter and uploads the weights
+//! at once (a software renderer counts, and none is an error) and prefills
+//! every prompt that starts a cache. `auto` opens a hardware adapter, and
+//! uploads, only when the first prompt of at least [`AUTO_MIN_TOKENS`] tokens
+//! arrives, and keeps the CPU when there is none.
+
+use std::sync::OnceLock;
+
+use super::context::{AdapterPolicy, GpuContext, GpuError};
+use super::prefill::GpuPrefill;
+use crate::engine::{EngineError, PrefillBackend};
+use crate::kv::KvCache;
+use crate::model::{Model, Outputs};
+
+/// The prompt length from which `auto` prefills on a GPU: below it, opening
+/// the device and uploading the weights costs more than the CPU's prefill
+/// (measured on the default model: see the README's GPU section).
+pub const AUTO_MIN_TOKENS: usize = 2048;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuMode {
+    Auto,
+    On,
+    Off,
+}
+
+impl std::str::FromStr for GpuMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            _ => Err(format!("--gpu takes auto, on or off, not '{s}'")),
+        }
+    }
+}
+
+/// The process's GPU, opened at most once.
+fn shared(policy: AdapterPolicy) -> Result<&'static GpuContext, GpuError> {
+    static GPU: OnceLock<GpuContext> = OnceLock::new();
+    if let Some(gpu) = GPU.get() {
+        return Ok(gpu);
+    }
+    let gpu = GpuContext::open(policy)?;
+    Ok(GPU.get_or_init(|| gpu))
+}
+
+/// A prefill backend that opens the GPU and uploads the weights when it
+/// first takes a prompt.
+pub struct OnDemand<'m> {
+    model: &'m Model<'m>,
+    mode: GpuMode,
+    min_tokens: usize,
+    state: State<'m>,
+}
+
+enum State<'m> {
+    Closed,
+    Ready(Box<GpuPrefill<'m>>),
+    /// `auto` found no usable GPU: the CPU prefills from now on.
+    Unavailable,
+}
+
+impl<'m> OnDemand<'m> {
+    /// `None` for `off`. With `on`, the adapter is opened and the weights
+    /// uploaded now, so that a missing adapter is reported before any work
+    /// and the first prompt's time is the prefill's alone.
+    pub fn new(model: &'m Model<'m>, mode: GpuMode) -> Result<Option<Self>, GpuError> {
+        let min_tokens = match mode {
+            GpuMode::Off => return Ok(None),
+            GpuMode::On => 1,
+            GpuMode::Auto => AUTO_MIN_TOKENS,
+        };
+        let mut backend = Self { model, mode, min_tokens, state: State::Closed };
+        if mode == GpuMode::On {
+            backend.ready()?;
+        }
+        Ok(Some(backend))
+    }
+
+    /// The backend, opened on first use.
+    fn ready(&mut self) -> Result<&GpuPrefill<'m>, GpuError> {
+        if let State::Closed = self.state {
+            let policy = match self.mode {
+                GpuMode::On => AdapterPolicy::AllowSoftware,
+                _ => AdapterPolicy::Hardware,
+            };
+            let gpu = shared(policy)?;
+            let started = std::time::Instant::now();
+            let prefill = GpuPrefill::new(gpu, self.model)?;
+            eprintln!(
+                "gpu: weights uploaded in {:.0} ms; {} kernels",
+                started.elapsed().as_secs_f64() * 1e3,
+                prefill.path().name()
+            );
+            self.state = State::Ready(Box::new(prefill));
+        }
+        match &self.state {
+            State::Ready(prefill) => Ok(prefill),
+            _ => unreachable!("opened above"),
+        }
+    }
+}
+
+impl PrefillBackend for OnDemand<'_> {
+    fn takes(&mut self, pos0: usize, n: usize) -> bool {
+        if pos0 != 0 || n < self.min_tokens || matches!(self.state, State::Unavailable) {
+            return false;
+        }
+        let mode = self.mode;
+        match (self.ready(), mode) {
+            (Ok(_), _) => true,
+            // `on` reports the failure from `prefill`.
+            (Err(_), GpuMode::On) => true,
+            (Err(e), _) => {
+                eprintln!("gpu: {e}; prefill stays on the CPU");
+                self.state = State::Unavailable;
+                false
+            }
+        }
+    }
+
+    fn prefill(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut KvCache,
+        outputs: Outputs,
+        hidden: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        self.ready()?.prefill_into(tokens, pos0, cache, outputs, hidden)
+    }
+}
