@@ -127,7 +127,7 @@ mod tests {
             ("matmul".to_string(), with_header("", include_str!("../../shaders/matmul.wgsl"))),
             ("matmul_coop".to_string(), with_header("", include_str!("../../shaders/matmul_coop.wgsl"))),
         ];
-        for d in [128, 256] {
+        for d in [64, 128, 256] {
             modules.push((format!("attention D={d}"), with_header(&format!("const D: u32 = {d}u;"), tiled_attention)));
             for heads in [1, 2, 4] {
                 let header = format!("const D: u32 = {d}u;\nconst HEADS: u32 = {heads}u;");
