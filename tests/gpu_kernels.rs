@@ -257,3 +257,21 @@ fn gpu_bench_rejects_a_bad_shape_in_one_line() {
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(err.contains("bad shape '1x2'"), "{err}");
 }
+
+#[test]
+fn gpu_bench_without_the_asked_path_exits_2_naming_what_is_missing() {
+    let Some(ctx) = common::gpu("gpu_bench_without_the_asked_path_exits_2_naming_what_is_missing") else { return };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sift"))
+        .args(["gpu-bench", "--allow-software", "--path", "coop-matrix", "--matmul", "64x64x64", "--runs", "1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    match KernelPath::CooperativeMatrix.available(ctx) {
+        Ok(()) => assert_eq!(out.status.code(), Some(0), "{err}"),
+        Err(e) => {
+            assert_eq!(out.status.code(), Some(2), "{err}");
+            let last = err.lines().last().unwrap_or_default();
+            assert_eq!(last, format!("sift: {e}"), "{err}");
+        }
+    }
+}

@@ -226,6 +226,7 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
             || cause.is::<InputError>()
             || cause.is::<ChatError>()
             || cause.is::<GpuError>()
+            || cause.is::<sift::gpu::KernelError>()
         {
             return EXIT_MODEL;
         }
