@@ -25,7 +25,7 @@
 // that no later step rescales (subgroup s: rows 16·(s / 2), D / 2 columns).
 // The price is computing Q·Kᵀ twice: 3/2 of the products of one pass.
 //
-// The Rust prepends `const D: u32 = …;` (128 or 256) and
+// The Rust prepends `const D: u32 = …;` (64, 128 or 256) and
 // `const HEADS: u32 = …;` (1, 2 or 4, dividing n_head / n_kv_head).
 
 enable f16;
@@ -118,10 +118,12 @@ fn load_queries(blk: Block, sg: u32) {
     q_tiles[1] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 16u], q_stride);
     q_tiles[2] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 32u], q_stride);
     q_tiles[3] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 48u], q_stride);
-    q_tiles[4] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 64u], q_stride);
-    q_tiles[5] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 80u], q_stride);
-    q_tiles[6] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 96u], q_stride);
-    q_tiles[7] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 112u], q_stride);
+    if D >= 128u {
+        q_tiles[4] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 64u], q_stride);
+        q_tiles[5] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 80u], q_stride);
+        q_tiles[6] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 96u], q_stride);
+        q_tiles[7] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 112u], q_stride);
+    }
     if D == 256u {
         q_tiles[8] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 128u], q_stride);
         q_tiles[9] = coopLoadT<coop_mat16x16<f16, A>>(&q[at + 144u], q_stride);
@@ -145,10 +147,12 @@ fn scores(sg: u32) {
     s = coopMultiplyAdd(q_tiles[1], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 16u], KV_STRIDE), s);
     s = coopMultiplyAdd(q_tiles[2], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 32u], KV_STRIDE), s);
     s = coopMultiplyAdd(q_tiles[3], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 48u], KV_STRIDE), s);
-    s = coopMultiplyAdd(q_tiles[4], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 64u], KV_STRIDE), s);
-    s = coopMultiplyAdd(q_tiles[5], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 80u], KV_STRIDE), s);
-    s = coopMultiplyAdd(q_tiles[6], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 96u], KV_STRIDE), s);
-    s = coopMultiplyAdd(q_tiles[7], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 112u], KV_STRIDE), s);
+    if D >= 128u {
+        s = coopMultiplyAdd(q_tiles[4], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 64u], KV_STRIDE), s);
+        s = coopMultiplyAdd(q_tiles[5], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 80u], KV_STRIDE), s);
+        s = coopMultiplyAdd(q_tiles[6], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 96u], KV_STRIDE), s);
+        s = coopMultiplyAdd(q_tiles[7], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 112u], KV_STRIDE), s);
+    }
     if D == 256u {
         s = coopMultiplyAdd(q_tiles[8], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 128u], KV_STRIDE), s);
         s = coopMultiplyAdd(q_tiles[9], coopLoad<coop_mat16x16<f16, B>>(&k_tile[at + 144u], KV_STRIDE), s);
@@ -237,7 +241,7 @@ fn main(
     let b = sg / 2u;
     let column0 = (sg % 2u) * COLUMNS * 16u;
     // The accumulators are named, not an array, so that they stay in
-    // registers; o4 .. o7 exist for D = 256 only.
+    // registers; o2, o3 exist for D >= 128 only, o4 .. o7 for D = 256.
     var o0 = coop_mat16x16<f32, C>();
     var o1 = coop_mat16x16<f32, C>();
     var o2 = coop_mat16x16<f32, C>();
@@ -265,8 +269,10 @@ fn main(
             let v_at = kt * 16u * KV_STRIDE + column0;
             o0 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at], KV_STRIDE), o0);
             o1 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 16u], KV_STRIDE), o1);
-            o2 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 32u], KV_STRIDE), o2);
-            o3 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 48u], KV_STRIDE), o3);
+            if COLUMNS >= 4u {
+                o2 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 32u], KV_STRIDE), o2);
+                o3 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 48u], KV_STRIDE), o3);
+            }
             if COLUMNS == 8u {
                 o4 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 64u], KV_STRIDE), o4);
                 o5 = coopMultiplyAdd(pa, coopLoadT<coop_mat16x16<f16, B>>(&v_tile[v_at + 80u], KV_STRIDE), o5);
@@ -281,12 +287,14 @@ fn main(
     let o_stride = shape.n_head * D;
     let at0 = (block_token(blk, b) * shape.n_head + block_head(blk, b)) * D + column0;
     let at1 = at0 + 16u;
-    let at2 = at0 + 32u;
-    let at3 = at0 + 48u;
     coopStoreT(o0, &o[at0], o_stride);
     coopStoreT(o1, &o[at1], o_stride);
-    coopStoreT(o2, &o[at2], o_stride);
-    coopStoreT(o3, &o[at3], o_stride);
+    if COLUMNS >= 4u {
+        let at2 = at0 + 32u;
+        let at3 = at0 + 48u;
+        coopStoreT(o2, &o[at2], o_stride);
+        coopStoreT(o3, &o[at3], o_stride);
+    }
     if COLUMNS == 8u {
         let at4 = at0 + 64u;
         let at5 = at0 + 80u;

@@ -218,7 +218,8 @@ fn attention_matches_f64_reference() {
     let case = |n, pos0, n_head, n_kv_head, head_dim, window| Case { n, pos0, n_head, n_kv_head, head_dim, window };
     let cases = [
         // One query; Gemma 3's global shape; its sliding window; a tail of a
-        // 16-query block; a chunk past position 0; Llama's grouping.
+        // 16-query block; a chunk past position 0; Llama's grouping; a head
+        // dimension of 64 with 3 query heads a KV head.
         case(1, 0, 1, 1, 128, None),
         case(37, 0, 4, 1, 256, None),
         case(100, 0, 4, 1, 256, Some(24)),
@@ -228,10 +229,6 @@ fn attention_matches_f64_reference() {
     ];
     for path in paths(ctx, "attention_matches_f64_reference") {
         for c in &cases {
-            let tiled_only = c.head_dim != 128 && c.head_dim != 256;
-            if path == KernelPath::CooperativeMatrix && tiled_only {
-                continue;
-            }
             check_attention(ctx, path, c, &mut noise);
         }
     }
@@ -249,4 +246,32 @@ fn attention_rejects_bad_shapes() {
     let mut batch = ctx.batch();
     let err = batch.record("attention", |pass| attention.dispatch(pass, &bind, &shape, [4096; 4])).unwrap_err();
     assert!(err.to_string().contains("6 query heads over 2 KV heads"), "{err}");
+}
+
+#[test]
+fn gpu_bench_rejects_a_bad_shape_in_one_line() {
+    let out =
+        std::process::Command::new(env!("CARGO_BIN_EXE_sift")).args(["gpu-bench", "--matmul", "1x2"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(err.contains("bad shape '1x2'"), "{err}");
+}
+
+#[test]
+fn gpu_bench_without_the_asked_path_exits_2_naming_what_is_missing() {
+    let Some(ctx) = common::gpu("gpu_bench_without_the_asked_path_exits_2_naming_what_is_missing") else { return };
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sift"))
+        .args(["gpu-bench", "--allow-software", "--path", "coop-matrix", "--matmul", "64x64x64", "--runs", "1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    match KernelPath::CooperativeMatrix.available(ctx) {
+        Ok(()) => assert_eq!(out.status.code(), Some(0), "{err}"),
+        Err(e) => {
+            assert_eq!(out.status.code(), Some(2), "{err}");
+            let last = err.lines().last().unwrap_or_default();
+            assert_eq!(last, format!("sift: {e}"), "{err}");
+        }
+    }
 }

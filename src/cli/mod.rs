@@ -22,7 +22,7 @@ use sift::conversation::ConversationError;
 use sift::engine::{EngineError, Session};
 use sift::gguf::{GgufError, GgufFile, Residence};
 use sift::gpu::on_demand::{GpuMode, OnDemand};
-use sift::gpu::GpuError;
+use sift::gpu::{GpuError, KernelError};
 use sift::kv::{KvMode, Storage};
 use sift::model::{Model, ModelError};
 use sift::perplexity::PerplexityError;
@@ -330,6 +330,7 @@ fn cause_code(cause: &(dyn std::error::Error + 'static)) -> Option<u8> {
         || cause.is::<InputError>()
         || cause.is::<ChatError>()
         || cause.is::<GpuError>()
+        || cause.is::<KernelError>()
     {
         return Some(EXIT_MODEL);
     }

@@ -75,7 +75,7 @@ pub struct Attention {
 
 impl Attention {
     /// `group_heads` is the number of query heads per KV head; `head_dim` must
-    /// be a multiple of 32 (the cooperative shader: 128 or 256).
+    /// be a multiple of 32 (the cooperative shader: 64, 128 or 256).
     pub fn new(device: &wgpu::Device, path: KernelPath, head_dim: u32, group_heads: u32) -> Result<Self, KernelError> {
         let bad = |what: String| Err(KernelError::Shape { kernel: "attention", what });
         if head_dim == 0 || !head_dim.is_multiple_of(32) {
@@ -87,8 +87,8 @@ impl Attention {
         let heads_per_block = [4, 2, 1].into_iter().find(|h| group_heads.is_multiple_of(*h)).unwrap_or(1);
         let (source, header) = match path {
             KernelPath::CooperativeMatrix => {
-                if head_dim != 128 && head_dim != 256 {
-                    return bad(format!("head dimension {head_dim}: the cooperative shader takes 128 or 256"));
+                if ![64, 128, 256].contains(&head_dim) {
+                    return bad(format!("head dimension {head_dim}: the cooperative shader takes 64, 128 or 256"));
                 }
                 (COOPERATIVE, format!("const D: u32 = {head_dim}u;\nconst HEADS: u32 = {heads_per_block}u;"))
             }

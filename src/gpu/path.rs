@@ -25,10 +25,15 @@ impl KernelPath {
     /// Bytes of immediate data the kernels use at most.
     pub const IMMEDIATE_BYTES: u32 = 32;
 
+    /// Workgroup memory of the largest cooperative kernel: the attention at
+    /// head dimension 256 (32 keys and values, 64 × 32 scores and probabilities).
+    const COOPERATIVE_WORKGROUP_BYTES: u32 = 48_128;
+
     /// Whether `ctx` can run this path. Both need f16, subgroups of at least
     /// 8 (the tiled attention sums a query's 8 partial dot products by
     /// shuffles) and the kernels' immediates; the cooperative path also a
-    /// 16 × 16 × 16 f16 → f32 configuration and subgroups of exactly 32.
+    /// 16 × 16 × 16 f16 → f32 configuration, subgroups of exactly 32 and
+    /// 47 KiB of workgroup memory.
     pub fn available(self, ctx: &GpuContext) -> Result<(), KernelError> {
         let lacks = |what| Err(KernelError::Device { kernel: self.name(), what });
         if !ctx.has(Self::REQUIRED_FEATURES) {
@@ -56,6 +61,9 @@ impl KernelPath {
         }
         if (ctx.info.subgroup_min_size, ctx.info.subgroup_max_size) != (32, 32) {
             return lacks("subgroups of exactly 32");
+        }
+        if ctx.limits.max_compute_workgroup_storage_size < Self::COOPERATIVE_WORKGROUP_BYTES {
+            return lacks("47 KiB of workgroup memory");
         }
         Ok(())
     }

@@ -95,8 +95,8 @@ impl Pipeline {
     }
 }
 
-/// The WGSL a kernel is compiled from: `enable` directives must come first in
-/// a module, so the header goes after the source's directives.
+/// The WGSL a kernel is compiled from: `enable` directives must come before
+/// any declaration, so the header goes after the source's last one.
 pub(crate) fn with_header(header: &str, source: &str) -> String {
     let split = source
         .lines()
@@ -104,7 +104,7 @@ pub(crate) fn with_header(header: &str, source: &str) -> String {
             *at += line.len() + 1;
             Some((*at, line))
         })
-        .filter(|(_, line)| line.starts_with("enable ") || line.starts_with("diagnostic("))
+        .filter(|(_, line)| line.starts_with("enable "))
         .map(|(at, _)| at)
         .last()
         .unwrap_or(0)
@@ -127,7 +127,7 @@ mod tests {
             ("matmul".to_string(), with_header("", include_str!("../../shaders/matmul.wgsl"))),
             ("matmul_coop".to_string(), with_header("", include_str!("../../shaders/matmul_coop.wgsl"))),
         ];
-        for d in [128, 256] {
+        for d in [64, 128, 256] {
             modules.push((format!("attention D={d}"), with_header(&format!("const D: u32 = {d}u;"), tiled_attention)));
             for heads in [1, 2, 4] {
                 let header = format!("const D: u32 = {d}u;\nconst HEADS: u32 = {heads}u;");
@@ -149,10 +149,8 @@ mod tests {
 
     #[test]
     fn the_header_goes_after_the_directives() {
-        let source = "enable f16;\ndiagnostic(off, derivative_uniformity);\nconst X = D;\n";
-        assert_eq!(
-            with_header("const D = 1;", source),
-            "enable f16;\ndiagnostic(off, derivative_uniformity);\nconst D = 1;\nconst X = D;\n"
-        );
+        let source = "// a comment\nenable f16;\nenable wgpu_cooperative_matrix;\nconst X = D;\n";
+        let want = "// a comment\nenable f16;\nenable wgpu_cooperative_matrix;\nconst D = 1;\nconst X = D;\n";
+        assert_eq!(with_header("const D = 1;", source), want);
     }
 }
