@@ -104,7 +104,7 @@ impl AttentionPolicy for Dense {
 }
 
 /// Appends a record of dense attention for every query head of `call`.
-pub fn record_dense(call: &LayerCall, records: &mut Vec<HeadRecord>) {
+fn record_dense(call: &LayerCall, records: &mut Vec<HeadRecord>) {
     let batch = call.batch;
     let tokens = 0..batch.n_tokens();
     let visible: usize = tokens.clone().map(|t| call.visible(t).len()).sum();

@@ -17,7 +17,7 @@ use std::ops::Range;
 use half::f16;
 use simd::Kernels;
 
-use super::dense::{self, record_dense};
+use super::dense::Dense;
 use super::read::{self, round_to_f16, HeadRows};
 use super::{worth_sparse, AttentionKind, AttentionPolicy, Certificate, Estimate, HeadRecord, LayerCall, Split};
 use crate::kv::quant::Affine;
@@ -128,9 +128,7 @@ impl AttentionPolicy for Topk {
 
     fn attend(&mut self, call: &LayerCall, out: &mut [f32], records: &mut Vec<HeadRecord>) {
         if !worth_sparse(call) {
-            dense::attend(call.batch, call.cache, out);
-            record_dense(call, records);
-            return;
+            return Dense.attend(call, out, records);
         }
         let (kernels, dim_v) = (simd::kernels(), call.batch.head_dim_v);
         for (head, out) in out.chunks_exact_mut(dim_v).enumerate() {

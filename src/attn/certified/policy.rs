@@ -21,7 +21,7 @@ use rayon::prelude::*;
 use super::candidates::{CacheHead, GroupScan, SharedScores};
 use super::head::{HeadAttention, HeadRecord as Driven, Params, Stop};
 use super::perturb::{PerturbationSeed, Perturbations};
-use crate::attn::dense::{self, record_dense};
+use crate::attn::dense::Dense;
 use crate::attn::{worth_sparse, AttentionKind, AttentionPolicy, Certificate, Estimate, HeadRecord, LayerCall, Split};
 
 /// Certified sparse attention on decoding steps, dense elsewhere.
@@ -121,9 +121,7 @@ impl AttentionPolicy for CertifiedPolicy {
 
     fn attend(&mut self, call: &LayerCall, out: &mut [f32], records: &mut Vec<HeadRecord>) {
         if !worth_sparse(call) {
-            dense::attend(call.batch, call.cache, out);
-            record_dense(call, records);
-            return;
+            return Dense.attend(call, out, records);
         }
         let batch = call.batch;
         let params = self.params;
