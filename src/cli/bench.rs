@@ -19,9 +19,7 @@ use sift::model::Model;
 
 use super::attn::PolicyArgs;
 use super::{GpuArgs, ModelArgs};
-use sift::gpu::on_demand::{GpuMode, AUTO_MIN_TOKENS};
-use sift::gpu::prefill::GpuPrefill;
-use sift::gpu::{AdapterPolicy, GpuContext};
+use sift::gpu::on_demand::{self, GpuMode};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -108,33 +106,16 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     };
 
     // The GPU is opened and the weights uploaded once, before any timing.
-    let gpu = match args.gpu.mode() {
+    let gpu_prefill = match args.gpu.mode() {
         GpuMode::Off => None,
-        mode => {
-            let policy = if mode == GpuMode::On { AdapterPolicy::AllowSoftware } else { AdapterPolicy::Hardware };
-            match GpuContext::open(policy) {
-                Ok(ctx) => Some(ctx),
-                Err(e) if mode == GpuMode::On => return Err(e.into()),
-                Err(e) => {
-                    eprintln!("sift: {e}; prefill stays on the CPU");
-                    None
-                }
+        mode => match on_demand::upload(&model, mode) {
+            Ok(prefill) => Some(prefill),
+            Err(e) if mode == GpuMode::On => return Err(e.into()),
+            Err(e) => {
+                eprintln!("sift: {e}; prefill stays on the CPU");
+                None
             }
-        }
-    };
-    let gpu_prefill = match &gpu {
-        Some(ctx) => {
-            let started = Instant::now();
-            let min_tokens = if args.gpu.mode() == GpuMode::On { 1 } else { AUTO_MIN_TOKENS };
-            let prefill = GpuPrefill::new(ctx, &model)?.with_min_tokens(min_tokens);
-            eprintln!(
-                "sift: GPU weights uploaded in {:.0} ms; {} kernels; prompts of {min_tokens}+ tokens on the GPU",
-                started.elapsed().as_secs_f64() * 1e3,
-                prefill.path().name()
-            );
-            Some(prefill)
-        }
-        None => None,
+        },
     };
     let on_gpu = |p: usize| gpu_prefill.as_ref().is_some_and(|g| g.takes_prompt(p));
 

@@ -39,6 +39,41 @@ impl std::str::FromStr for GpuMode {
     }
 }
 
+impl GpuMode {
+    /// The adapters this mode accepts: a software renderer only for `on`.
+    fn adapter_policy(self) -> AdapterPolicy {
+        match self {
+            GpuMode::On => AdapterPolicy::AllowSoftware,
+            _ => AdapterPolicy::Hardware,
+        }
+    }
+
+    /// The shortest prompt this mode prefills on the GPU; `None` for `off`.
+    pub fn min_tokens(self) -> Option<usize> {
+        match self {
+            GpuMode::Off => None,
+            GpuMode::On => Some(1),
+            GpuMode::Auto => Some(AUTO_MIN_TOKENS),
+        }
+    }
+}
+
+/// The process's GPU opened for `mode`, and `model`'s weights uploaded to it
+/// (logged with their time), taking prompts of `mode`'s length.
+pub fn upload<'m>(model: &'m Model<'m>, mode: GpuMode) -> Result<GpuPrefill<'m>, GpuError> {
+    // `off` takes no prompt.
+    let min_tokens = mode.min_tokens().unwrap_or(usize::MAX);
+    let gpu = shared(mode.adapter_policy())?;
+    let started = std::time::Instant::now();
+    let prefill = GpuPrefill::new(gpu, model)?.with_min_tokens(min_tokens);
+    eprintln!(
+        "gpu: weights uploaded in {:.0} ms; {} kernels; prompts of {min_tokens}+ tokens on the GPU",
+        started.elapsed().as_secs_f64() * 1e3,
+        prefill.path().name(),
+    );
+    Ok(prefill)
+}
+
 /// The process's GPU, opened at most once.
 fn shared(policy: AdapterPolicy) -> Result<&'static GpuContext, GpuError> {
     static GPU: OnceLock<GpuContext> = OnceLock::new();
@@ -70,11 +105,7 @@ impl<'m> OnDemand<'m> {
     /// uploaded now, so that a missing adapter is reported before any work
     /// and the first prompt's time is the prefill's alone.
     pub fn new(model: &'m Model<'m>, mode: GpuMode) -> Result<Option<Self>, GpuError> {
-        let min_tokens = match mode {
-            GpuMode::Off => return Ok(None),
-            GpuMode::On => 1,
-            GpuMode::Auto => AUTO_MIN_TOKENS,
-        };
+        let Some(min_tokens) = mode.min_tokens() else { return Ok(None) };
         let mut backend = Self { model, mode, min_tokens, state: State::Closed };
         if mode == GpuMode::On {
             backend.ready()?;
@@ -85,19 +116,7 @@ impl<'m> OnDemand<'m> {
     /// The backend, opened on first use.
     fn ready(&mut self) -> Result<&GpuPrefill<'m>, GpuError> {
         if let State::Closed = self.state {
-            let policy = match self.mode {
-                GpuMode::On => AdapterPolicy::AllowSoftware,
-                _ => AdapterPolicy::Hardware,
-            };
-            let gpu = shared(policy)?;
-            let started = std::time::Instant::now();
-            let prefill = GpuPrefill::new(gpu, self.model)?;
-            eprintln!(
-                "gpu: weights uploaded in {:.0} ms; {} kernels",
-                started.elapsed().as_secs_f64() * 1e3,
-                prefill.path().name()
-            );
-            self.state = State::Ready(Box::new(prefill));
+            self.state = State::Ready(Box::new(upload(self.model, self.mode)?));
         }
         match &self.state {
             State::Ready(prefill) => Ok(prefill),
