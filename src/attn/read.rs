@@ -4,8 +4,8 @@
 //!
 //! Dense attention reads every visible position through these; a sparse
 //! policy reads the positions it chose ([`HeadRows`]), given as sorted,
-//! disjoint ranges ([`runs`] makes them from single positions, [`pages`]
-//! from page numbers). Splitting positions into ranges and ranges into
+//! disjoint ranges ([`pages`] makes them from page numbers, [`join`] merges
+//! adjacent ones). Splitting positions into ranges and ranges into
 //! stretches changes no result: every score is its own sum, and weighted
 //! values accumulate row after row, in position order.
 
@@ -167,19 +167,6 @@ pub fn count(ranges: &[Range<usize>]) -> usize {
     ranges.iter().map(ExactSizeIterator::len).sum()
 }
 
-/// Sorted distinct `positions` as runs of consecutive ones.
-pub fn runs(positions: impl IntoIterator<Item = usize>) -> impl Iterator<Item = Range<usize>> {
-    let mut positions = positions.into_iter().peekable();
-    std::iter::from_fn(move || {
-        let start = positions.next()?;
-        let mut end = start + 1;
-        while positions.next_if_eq(&end).is_some() {
-            end += 1;
-        }
-        Some(start..end)
-    })
-}
-
 /// The positions of sorted distinct `pages` that lie within `visible`, as
 /// ranges (adjacent pages make one).
 pub fn pages(pages: impl IntoIterator<Item = usize>, visible: Range<usize>) -> impl Iterator<Item = Range<usize>> {
@@ -210,13 +197,6 @@ pub fn round_to_f16(x: &mut [f32], halves: &mut Vec<f16>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn runs_join_consecutive_positions() {
-        let runs: Vec<_> = runs([0, 1, 2, 5, 7, 8]).collect();
-        assert_eq!(runs, vec![0..3, 5..6, 7..9]);
-        assert_eq!(super::runs([]).count(), 0);
-    }
 
     #[test]
     fn pages_are_clipped_to_the_visible_positions_and_joined() {
