@@ -168,7 +168,7 @@ fn whole(
     batch.record("attention", |pass| attention.dispatch(pass, &bind, &shape, sizes)).map_err(kernel_error)?;
     batch.mark();
     let gpu = batch.submit_timed()?.map(|t| t.iter().sum());
-    let out: Vec<f32> = ctx.read(&ob, 0, n * N_HEAD * HEAD_DIM)?;
+    let out: Vec<f32> = ctx.read_once(&ob, 0, n * N_HEAD * HEAD_DIM)?;
     Ok((started.elapsed().as_secs_f64(), gpu, peak, out))
 }
 

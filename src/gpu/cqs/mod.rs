@@ -391,8 +391,8 @@ impl Cqs {
         for piece in round {
             let (queries, n_head) = (piece.shape.queries as usize, piece.shape.n_head as usize);
             let started = Instant::now();
-            let acc: Vec<f32> = ctx.read(&piece.buffers[3], 0, queries * n_head * self.head_dim)?;
-            let stats: Vec<[f32; 2]> = ctx.read(&piece.buffers[6], 0, queries * n_head)?;
+            let acc: Vec<f32> = ctx.read_once(&piece.buffers[3], 0, queries * n_head * self.head_dim)?;
+            let stats: Vec<[f32; 2]> = ctx.read_once(&piece.buffers[6], 0, queries * n_head)?;
             report.transfer_ms += ms(started);
             let started = Instant::now();
             accumulator.merge(&piece.rows, &acc, &stats);
