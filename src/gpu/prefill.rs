@@ -24,6 +24,11 @@
 //! The stages are those of [`Model::forward`], under the same names; with a
 //! [`Trace`], each stage's output is read back and handed to it.
 //!
+//! With an attention budget ([`GpuPrefill::with_attention_budget`]), a layer
+//! whose attention call would need more working memory than the budget
+//! reads its Q, K and V back and computes the call decomposed ([`Cqs`]),
+//! exactly, writing the output where the whole call would have.
+//!
 //! [`PagedLayer::store`]: crate::kv::PagedLayer::store
 //! [`PagedLayer::key`]: crate::kv::PagedLayer::key
 //! [`PagedLayer::value`]: crate::kv::PagedLayer::value
@@ -37,6 +42,8 @@ use wgpu::Buffer;
 
 use super::attention::{Attention, AttentionShape};
 use super::context::{Batch, GpuContext, GpuError};
+use super::cqs::plan::Mask;
+use super::cqs::{AttentionCall, Cqs, CqsReport};
 use super::layers::LayerKernels;
 use super::matmul::{Matmul, MatmulShape};
 use super::KernelPath;
@@ -84,6 +91,10 @@ pub struct GpuPrefill<'m> {
     min_tokens: usize,
     /// A cap on [`Self::chunk_tokens`] below the device's.
     max_chunk: usize,
+    /// Decomposed attention for calls past the budget.
+    cqs: Option<Cqs>,
+    /// What it did in the last prompt.
+    cqs_report: std::sync::Mutex<CqsReport>,
 }
 
 /// The activations of one chunk of `tokens` rows.
@@ -151,7 +162,23 @@ impl<'m> GpuPrefill<'m> {
             attention,
             min_tokens: 1,
             max_chunk: usize::MAX,
+            cqs: None,
+            cqs_report: Default::default(),
         })
+    }
+
+    /// Bounds one attention call's working memory to `bytes` (see
+    /// [`super::cqs::working_bytes`]): calls past it are decomposed.
+    pub fn with_attention_budget(mut self, bytes: u64) -> Result<Self, GpuError> {
+        let hp = &self.model.hp;
+        self.cqs = Some(Cqs::new(self.ctx, hp.head_dim_k, hp.n_gqa(), Some(bytes))?);
+        Ok(self)
+    }
+
+    /// What decomposed attention did in the last prompt (zero calls when
+    /// every call fit).
+    pub fn attention_report(&self) -> CqsReport {
+        self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The kernel variant the heavy kernels run.
@@ -241,6 +268,7 @@ impl<'m> GpuPrefill<'m> {
         let mut embedded = Vec::new();
         let mut rope = RopeTable::default();
         let mut stages = Stages { ctx: self.ctx, batch: None, trace };
+        *self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()) = CqsReport::default();
         for pos0 in (start..end).step_by(chunk) {
             let chunk_tokens = &tokens[pos0 - start..(pos0 - start + chunk).min(n)];
             self.embed(chunk_tokens, &mut embedded);
@@ -265,12 +293,19 @@ impl<'m> GpuPrefill<'m> {
             if !wanted.is_empty() {
                 let x: Vec<f32> =
                     self.ctx.read(&ws.x, (wanted.start * hp.n_embd * 4) as u64, wanted.len() * hp.n_embd)?;
-                let start = hidden.len();
-                hidden.resize(start + x.len(), 0.0);
-                blocks::rms_norm(&x, &self.model.weights().output_norm, hp.rms_eps, &mut hidden[start..]);
+                let at = hidden.len();
+                hidden.resize(at + x.len(), 0.0);
+                blocks::rms_norm(&x, &self.model.weights().output_norm, hp.rms_eps, &mut hidden[at..]);
             }
         }
         self.store_keys_and_values(&resident, start..end, cache)?;
+        let report = self.attention_report();
+        if report.calls > 0 {
+            eprintln!(
+                "gpu: attention past the budget of {} bytes: {report}",
+                self.cqs.as_ref().and_then(Cqs::budget).unwrap_or(0)
+            );
+        }
         for buffer in ws.into_buffers() {
             self.ctx.recycle(buffer);
         }
@@ -333,11 +368,18 @@ impl<'m> GpuPrefill<'m> {
             window: hp.window(il).map(|w| w as u32),
             scale: hp.attn_scale,
         };
-        let bind = self.attention.bind(&self.ctx.device, &ws.q16, keys, values, &ws.attn);
-        let sizes = [ws.q16.size(), keys.size(), values.size(), ws.attn.size()];
-        s.batch()
-            .record("attention", |pass| self.attention.dispatch(pass, &bind, &shape, sizes))
-            .map_err(kernel_error)?;
+        match &self.cqs {
+            Some(cqs) if !cqs.fits(n, pos0 + n, hp.n_head, hp.n_head_kv, hp.head_dim_k) => {
+                self.decomposed_attention(s, cqs, ws, keys, values, &shape)?
+            }
+            _ => {
+                let bind = self.attention.bind(&self.ctx.device, &ws.q16, keys, values, &ws.attn);
+                let sizes = [ws.q16.size(), keys.size(), values.size(), ws.attn.size()];
+                s.batch()
+                    .record("attention", |pass| self.attention.dispatch(pass, &bind, &shape, sizes))
+                    .map_err(kernel_error)?;
+            }
+        }
         s.stage("attn_out", il, &ws.attn, n * hp.n_head * hp.head_dim_v)?;
         self.matmul(s.batch(), &ws.attn, &l.wo, &ws.proj, n)?;
         s.stage("attn_proj", il, &ws.proj, n * hp.n_embd)?;
@@ -362,6 +404,43 @@ impl<'m> GpuPrefill<'m> {
         }
         k.add_assign(s.batch(), &ws.x, &ws.proj, n * hp.n_embd);
         s.stage("l_out", il, &ws.x, n * hp.n_embd)
+    }
+
+    /// The attention of `shape` through [`Cqs`]: Q, K and V read back, the
+    /// output written into the workspace's.
+    fn decomposed_attention(
+        &self,
+        s: &mut Stages,
+        cqs: &Cqs,
+        ws: &Workspace,
+        keys: &Buffer,
+        values: &Buffer,
+        shape: &AttentionShape,
+    ) -> Result<(), GpuError> {
+        let hp = &self.model.hp;
+        let (n, kv_len) = (shape.n as usize, shape.kv_len() as usize);
+        let (q_dim, kv_dim) = (hp.n_head * hp.head_dim_k, hp.n_head_kv * hp.head_dim_k);
+        s.submit();
+        let q: Vec<f16> = self.ctx.read(&ws.q16, 0, n * q_dim)?;
+        let k: Vec<f16> = self.ctx.read(keys, 0, kv_len * kv_dim)?;
+        let v: Vec<f16> = self.ctx.read(values, 0, kv_len * kv_dim)?;
+        let call = AttentionCall {
+            q: &q,
+            k: &k,
+            v: &v,
+            queries: n,
+            keys: kv_len,
+            n_head: hp.n_head,
+            n_kv_head: hp.n_head_kv,
+            head_dim: hp.head_dim_k,
+            mask: Mask { causal: true, window: shape.window },
+            scale: shape.scale,
+        };
+        let mut out = vec![0.0f32; n * q_dim];
+        let report = cqs.attend(self.ctx, &call, &mut out)?;
+        self.ctx.write(&ws.attn, 0, &out);
+        self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()).absorb(&report);
+        Ok(())
     }
 
     /// `y = x · wᵀ` for `n` rows of `x`.
