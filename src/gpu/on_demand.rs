@@ -136,8 +136,8 @@ impl<'m> OnDemand<'m> {
 }
 
 impl PrefillBackend for OnDemand<'_> {
-    fn takes(&mut self, pos0: usize, n: usize) -> bool {
-        if pos0 != 0 || n < self.min_tokens || matches!(self.state, State::Unavailable) {
+    fn takes(&mut self, _pos0: usize, n: usize) -> bool {
+        if n < self.min_tokens || matches!(self.state, State::Unavailable) {
             return false;
         }
         let mode = self.mode;
