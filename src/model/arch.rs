@@ -188,3 +188,19 @@ pub mod tensor {
     pub const FFN_DOWN: &str = "ffn_down.weight";
     pub const POST_FFN_NORM: &str = "post_ffw_norm.weight";
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_family_is_found_by_its_name_and_listed_as_supported() {
+        let names: Vec<&str> = FAMILIES.iter().map(|f| f.gguf_name).collect();
+        assert_eq!(Arch::SUPPORTED, names.join(", "));
+        for family in &FAMILIES {
+            assert_eq!(Arch::from_gguf_name(family.gguf_name), Some(family.arch));
+            assert_eq!(family.arch.family(), family);
+        }
+        assert_eq!(Arch::from_gguf_name("mamba"), None);
+    }
+}

@@ -118,7 +118,7 @@ impl HParams {
         let (sliding_window, sliding_layers) = match family.sliding_period {
             Some(period) => {
                 let window = file.usize(&k(key::SLIDING_WINDOW))?.filter(|&w| w > 0);
-                (window, (0..n_layer).map(|il| window.is_some() && (il + 1) % period != 0).collect())
+                (window, (0..n_layer).map(|il| window.is_some() && !(il + 1).is_multiple_of(period)).collect())
             }
             None => (None, vec![false; n_layer]),
         };

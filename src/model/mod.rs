@@ -140,6 +140,11 @@ impl<'a> Model<'a> {
         self.w.output.ty
     }
 
+    /// Whether the output head is the token embedding (a tied file).
+    pub fn output_is_token_embd(&self) -> bool {
+        self.w.output_is_token_embd
+    }
+
     /// Runs `tokens` at positions `pos0..`, storing their keys and values in
     /// `cache`, and leaves the final-normed hidden states of the `outputs`
     /// rows in `s.hidden`. Every layer's attention is `attention`'s, which

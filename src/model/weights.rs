@@ -37,6 +37,7 @@ pub struct Weights<'a> {
     pub output_norm: Vec<f32>,
     /// The output head; the token embedding itself when the file ties them.
     pub output: Matrix<'a>,
+    pub output_is_token_embd: bool,
     pub layers: Vec<LayerWeights<'a>>,
 }
 
@@ -87,11 +88,13 @@ impl<'a> Weights<'a> {
             })
             .collect::<Result<_, ModelError>>()?;
         let token_embd = l.matrix(name::TOKEN_EMBD, hp.n_vocab, hp.n_embd)?;
-        let output = match file.has_tensor(name::OUTPUT) {
-            true => l.matrix(name::OUTPUT, hp.n_vocab, hp.n_embd)?,
-            false => token_embd,
+        let output_is_token_embd = !file.has_tensor(name::OUTPUT);
+        let output = match output_is_token_embd {
+            false => l.matrix(name::OUTPUT, hp.n_vocab, hp.n_embd)?,
+            true => token_embd,
         };
-        Ok(Self { token_embd, output_norm: l.vector(name::OUTPUT_NORM, hp.n_embd)?, output, layers })
+        let output_norm = l.vector(name::OUTPUT_NORM, hp.n_embd)?;
+        Ok(Self { token_embd, output_norm, output, output_is_token_embd, layers })
     }
 }
 
