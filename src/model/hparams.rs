@@ -123,11 +123,14 @@ impl HParams {
             None => (None, vec![false; n_layer]),
         };
         let base_sliding = file.f32(&k(key::ROPE_FREQ_BASE_SWA))?.or(family.sliding_rope_base).unwrap_or(base);
+        // A cap that is not positive caps nothing.
+        let cap = |suffix: &str, default: f32| -> Result<Option<f32>> {
+            Ok(Some(file.f32(&k(suffix))?.unwrap_or(default)).filter(|&c| c > 0.0))
+        };
         let (attn_softcap, final_logit_softcap) = match family.softcaps {
-            Some(caps) => (
-                Some(file.f32(&k(key::ATTN_LOGIT_SOFTCAPPING))?.unwrap_or(caps.attention)),
-                Some(file.f32(&k(key::FINAL_LOGIT_SOFTCAPPING))?.unwrap_or(caps.output)),
-            ),
+            Some(caps) => {
+                (cap(key::ATTN_LOGIT_SOFTCAPPING, caps.attention)?, cap(key::FINAL_LOGIT_SOFTCAPPING, caps.output)?)
+            }
             None => (None, None),
         };
         let query_scale_dim = match arch {
