@@ -1,8 +1,10 @@
-//! The Qwen3, Gemma 2 and Phi-3 files of `../shared/anchors/models` as the
-//! command line shows them: `sift inspect` gives the hyper-parameters that
-//! `../shared/anchors/models/README.md` says llama.cpp reads from each file,
-//! the chat fallback is the family's, and the GPU prefill, which has no
-//! soft-capped attention, stays out of Gemma 2's way.
+//! The Qwen3, Gemma 2 and Phi-3 files of `../shared/anchors/models` beyond
+//! their logits (`tests/goldens.rs`): `sift inspect` gives the
+//! hyper-parameters that `../shared/anchors/models/README.md` says llama.cpp
+//! reads from each file, the chat fallback is the family's, the GPU prefill,
+//! which has no soft-capped attention, stays out of Gemma 2's way, the sparse
+//! policies read Gemma 2's global layers sparsely, and Phi-3's fused tensors
+//! are views of the file.
 
 mod common;
 
@@ -102,4 +104,57 @@ fn the_gpu_prefill_declines_soft_capped_attention() {
     let o = sift(&["run", "-m", model, "-p", &prompt, "-c", "4096", "-n", "1", "--gpu", "auto", "--temp", "0"]);
     assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
     assert!(stderr(&o).contains("which the GPU does not; prefill stays on the CPU"), "{}", stderr(&o));
+}
+
+/// Sparse attention on Gemma 2: past 1024 positions, the decoding steps of
+/// the two global layers (1 and 3) read sparsely through the cap, the
+/// sliding ones (a 32-position window) stay dense.
+#[test]
+fn sparse_policies_read_gemma2s_global_layers_sparsely() {
+    let Some(model) = tiny("gemma2", "sparse_policies_read_gemma2s_global_layers_sparsely") else { return };
+    let prompt = "The sea was calm and the ship sailed north. ".repeat(110);
+    for (kv_cache, attn) in [("q4", "certified"), ("f16", "topk")] {
+        let path = std::env::temp_dir().join(format!("sift-families-{attn}-{}.jsonl", std::process::id()));
+        let args = ["run", "-m", model.to_str().unwrap(), "-p", &prompt, "-n", "3", "--temp", "0", "--quiet"];
+        let flags = ["--kv-cache", kv_cache, "--attn", attn, "--audit", "--audit-out", path.to_str().unwrap()];
+        let o = sift(&[&args[..], &flags[..]].concat());
+        assert_eq!(o.status.code(), Some(0), "{attn}: {}", stderr(&o));
+        let text = std::fs::read_to_string(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        let rows: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .filter(|l| l["type"] == "attention")
+            .collect();
+        assert_eq!(rows.len(), 2 * 2 * 4, "{attn}: 2 steps x 2 global layers x 4 heads");
+        for row in &rows {
+            assert!(row["layer"] == 1 || row["layer"] == 3, "{attn}: {row}");
+            assert_eq!(row["kind"], attn, "{row}");
+            let (keys, visible) = (row["keys_read"].as_u64().unwrap(), row["visible"].as_u64().unwrap());
+            assert!(visible > 1024 && keys < visible, "{attn}: {row}");
+        }
+    }
+}
+
+/// Phi-3's fused tensors are split into views of the file's bytes: each
+/// part's first row lies where its block of rows begins, nothing copied.
+#[test]
+fn phi3s_fused_tensors_are_views_of_the_file() {
+    let Some(path) = tiny("phi3", "phi3s_fused_tensors_are_views_of_the_file") else { return };
+    let file = sift::gguf::GgufFile::open(&path).unwrap();
+    let model = sift::model::Model::load(&file).unwrap();
+    let (hp, layer) = (&model.hp, &model.weights().layers[3]);
+    let start = |name: &str| file.tensor(&format!("blk.3.{name}")).unwrap().data.as_ptr();
+    let at = |name: &str, rows: usize, m: &sift::matmul::Matrix| {
+        let row_bytes = m.row(0).len();
+        start(name).wrapping_add(rows * row_bytes)
+    };
+    let (q, kv) = (hp.n_head * hp.head_dim_k, hp.n_head_kv * hp.head_dim_k);
+    assert_eq!(layer.wq.row(0).as_ptr(), at("attn_qkv.weight", 0, &layer.wq));
+    assert_eq!(layer.wk.row(0).as_ptr(), at("attn_qkv.weight", q, &layer.wk));
+    assert_eq!(layer.wv.row(0).as_ptr(), at("attn_qkv.weight", q + kv, &layer.wv));
+    // Layer 3's `ffn_up` is Q8_0: the gate's rows, then the up projection's.
+    assert_eq!(layer.w_gate.row(0).as_ptr(), at("ffn_up.weight", 0, &layer.w_gate));
+    assert_eq!(layer.w_up.row(0).as_ptr(), at("ffn_up.weight", hp.n_ff, &layer.w_up));
+    assert_eq!((layer.wq.rows, layer.wk.rows, layer.w_gate.rows, layer.w_up.rows), (q, kv, hp.n_ff, hp.n_ff));
 }
