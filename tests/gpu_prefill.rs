@@ -3,12 +3,12 @@
 //! prompt position's logits agree and rank the same token first, and the
 //! greedy continuation decoded on the CPU after a GPU prefill is the one
 //! decoded after a CPU prefill, step for step up to the first step where the
-//! CPU's own top two logits are closer than twice the prompt's largest logit
-//! difference (or [`NEAR_TIE`], the goldens' rule, if that is wider): before
-//! that, rounding of that size cannot change the greedy token. Both sessions use
-//! the CPU's default arithmetic (8-bit activations); the GPU multiplies f16
-//! weights with f32 activations, so the logits differ by rounding, and a
-//! near tie may go either way.
+//! CPU's own top two logits are closer than [`NEAR_TIE`] (the goldens' rule,
+//! there applied to llama.cpp's margins). Both sessions use the CPU's default
+//! arithmetic (8-bit activations); the GPU multiplies f16 weights with f32
+//! activations, so the logits differ by rounding, and a near tie may go
+//! either way: on the default model's golden prompts llama.cpp's own two
+//! attention variants part at such steps too.
 
 mod common;
 
@@ -61,8 +61,7 @@ fn check(test: &str, model_path: &Path, reference: &Path, modes: &[KvMode], max_
             let (cpu_logits, cpu_tokens, margins) = greedy(&mut cpu, &prompt);
             let (gpu_logits, gpu_tokens, _) = greedy(&mut on_gpu, &prompt);
             let diff = cpu_logits.iter().zip(&gpu_logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-            let tie = NEAR_TIE.max(2.0 * diff);
-            let required = margins.iter().position(|&m| m < tie).unwrap_or(STEPS);
+            let required = margins.iter().position(|&m| m < NEAR_TIE).unwrap_or(STEPS);
             let equal = gpu_tokens.iter().zip(&cpu_tokens).take_while(|(a, b)| a == b).count();
             eprintln!(
                 "{test} {mode:?} case {c}: max logit difference {diff}; greedy equal for {equal} of {STEPS} steps ({required} required)"

@@ -136,8 +136,12 @@ impl<'m> GpuPrefill<'m> {
         let hp = &model.hp;
         Self::supports(hp)?;
         let path = KernelPath::best(ctx).map_err(kernel_error)?;
-        let attention =
-            Attention::new(&ctx.device, path, hp.head_dim_k as u32, hp.n_gqa() as u32).map_err(kernel_error)?;
+        // The best path that takes the model's head size: the cooperative
+        // attention takes 64, 128 and 256, the tiled one any.
+        let (head_dim, group) = (hp.head_dim_k as u32, hp.n_gqa() as u32);
+        let attention = Attention::new(&ctx.device, path, head_dim, group)
+            .or_else(|_| Attention::new(&ctx.device, KernelPath::Tiled, head_dim, group))
+            .map_err(kernel_error)?;
         if hp.head_dim_k != hp.head_dim_v {
             return Err(GpuError::Kernel {
                 kernel: "attention".into(),
@@ -199,7 +203,7 @@ impl<'m> GpuPrefill<'m> {
         self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// The kernel variant the heavy kernels run.
+    /// The kernel variant attention runs (the matmuls run the best one).
     pub fn path(&self) -> KernelPath {
         self.attention.path()
     }
