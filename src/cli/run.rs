@@ -56,6 +56,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // The sampling seed draws certified attention's perturbations too.
     let sampling = args.generation.sampling();
     let policy = args.generation.attention.policy(sampling.seed, args.audit.audit)?;
+    let rectify = args.generation.attention.rectify(args.audit.audit)?;
     let mut audit = args.audit.create()?;
     let prompt = read_prompt(args.prompt.as_deref())?;
     let file = args.model.open()?;
@@ -78,6 +79,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let storage = args.generation.cache.storage();
     let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
+    conversation.set_rectify(rectify)?;
     args.generation.gpu.attach(&model, conversation.session_mut())?;
     conversation.check_fits(&prompt_ids)?;
     if let Some(audit) = &mut audit {
