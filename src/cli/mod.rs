@@ -146,13 +146,44 @@ pub struct CacheArgs {
 /// Where prompts are prefilled, for every command that runs the model.
 #[derive(Args, Clone)]
 pub struct GpuArgs {
-    /// GPU prefill through Vulkan: auto prefills a prompt of at least 2048
-    /// tokens that starts the context on a discrete or integrated GPU when
+    /// GPU prefill through Vulkan: auto prefills a prompt (or a chat's next
+    /// turn) of at least 2048 tokens on a discrete or integrated GPU when
     /// there is one (the CPU otherwise); on prefills every such prompt on the
     /// GPU, a software renderer such as lavapipe included, and fails (exit 2)
     /// without one; off never opens the GPU. Decoding stays on the CPU
     #[arg(long, env = "SIFT_GPU", default_value = "auto", value_parser = ["auto", "on", "off"])]
     pub gpu: String,
+    /// Bounds the GPU working memory of one attention call of the prefill
+    /// (its Q, K, V, outputs and softmax statistics; not the weights or other
+    /// activations) to BYTES: a plain number, or one ending in K, M or G
+    /// (KiB, MiB, GiB). A call past it is computed exactly in pieces that fit,
+    /// by cyclic quorum sets (Stream-CQSA), and stderr reports the depth and
+    /// the time of each stage. Default: no bound but the device's
+    #[arg(long, env = "SIFT_GPU_MEM_BUDGET", value_name = "BYTES", value_parser = parse_bytes)]
+    pub gpu_mem_budget: Option<u64>,
+}
+
+/// A positive byte count, with an optional K, M or G (powers of 1024).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let (digits, unit) = match s.char_indices().last() {
+        Some((at, c @ ('K' | 'M' | 'G' | 'k' | 'm' | 'g'))) => (&s[..at], c.to_ascii_uppercase()),
+        _ => (s, ' '),
+    };
+    let shift = match unit {
+        'K' => 10,
+        'M' => 20,
+        'G' => 30,
+        _ => 0,
+    };
+    let bytes = digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .ok_or_else(|| format!("'{s}' is not a byte count (a number, optionally ending in K, M or G)"))?;
+    match bytes {
+        0 => Err("a budget of 0 bytes holds nothing".into()),
+        b => Ok(b),
+    }
 }
 
 impl GpuArgs {
@@ -163,7 +194,7 @@ impl GpuArgs {
     /// Gives `session` the GPU prefill `--gpu` asks for (opened on first use,
     /// except with `on`, which opens it now).
     pub fn attach<'m>(&self, model: &'m Model<'m>, session: &mut Session<'m>) -> anyhow::Result<()> {
-        if let Some(backend) = OnDemand::new(model, self.mode())? {
+        if let Some(backend) = OnDemand::new(model, self.mode(), self.gpu_mem_budget)? {
             session.set_prefill_backend(Box::new(backend));
         }
         Ok(())

@@ -15,7 +15,9 @@
 use super::pipeline::{Access, Pipeline};
 use super::{KernelError, KernelPath};
 
-const TILED: &str = include_str!("../../shaders/attention.wgsl");
+/// The tiled shader, whose `partial` entry computes the pieces of a
+/// decomposed call ([`super::cqs`]).
+pub(crate) const TILED: &str = include_str!("../../shaders/attention.wgsl");
 const COOPERATIVE: &str = include_str!("../../shaders/attention_coop.wgsl");
 
 /// Rows of the cooperative shader's blocks, in tokens and in positions.
@@ -178,8 +180,18 @@ impl Attention {
         if groups[0] > 65535 || groups[1] > 65535 {
             return bad(format!("{} queries need more than 65535 workgroups", shape.n));
         }
-        let immediates =
-            [shape.n, shape.pos0, shape.n_head, shape.n_kv_head, shape.window.unwrap_or(0), shape.scale.to_bits()];
+        // The tiled shader's shape goes on with `partial`'s fields: causal,
+        // and the keys (the cooperative shader reads the first six only).
+        let immediates = [
+            shape.n,
+            shape.pos0,
+            shape.n_head,
+            shape.n_kv_head,
+            shape.window.unwrap_or(0),
+            shape.scale.to_bits(),
+            1,
+            shape.kv_len(),
+        ];
         self.kernel.dispatch(pass, bind, &immediates, groups);
         Ok(())
     }

@@ -23,6 +23,7 @@ pub mod prefill;
 pub use context::{AdapterPolicy, Batch, GpuContext, GpuError, Kernel, Shader};
 
 pub mod attention;
+pub mod cqs;
 pub mod matmul;
 mod path;
 mod pipeline;

@@ -59,13 +59,21 @@ impl GpuMode {
 }
 
 /// The process's GPU opened for `mode`, and `model`'s weights uploaded to it
-/// (logged with their time), taking prompts of `mode`'s length.
-pub fn upload<'m>(model: &'m Model<'m>, mode: GpuMode) -> Result<GpuPrefill<'m>, GpuError> {
+/// (logged with their time), taking prompts of `mode`'s length, with one
+/// attention call's working memory bounded by `attention_budget` bytes.
+pub fn upload<'m>(
+    model: &'m Model<'m>,
+    mode: GpuMode,
+    attention_budget: Option<u64>,
+) -> Result<GpuPrefill<'m>, GpuError> {
     // `off` takes no prompt.
     let min_tokens = mode.min_tokens().unwrap_or(usize::MAX);
     let gpu = shared(mode.adapter_policy())?;
     let started = std::time::Instant::now();
-    let prefill = GpuPrefill::new(gpu, model)?.with_min_tokens(min_tokens);
+    let mut prefill = GpuPrefill::new(gpu, model)?.with_min_tokens(min_tokens);
+    if let Some(bytes) = attention_budget {
+        prefill = prefill.with_attention_budget(bytes)?;
+    }
     eprintln!(
         "gpu: weights uploaded in {:.0} ms; {} kernels; prompts of {min_tokens}+ tokens on the GPU",
         started.elapsed().as_secs_f64() * 1e3,
@@ -90,6 +98,7 @@ pub struct OnDemand<'m> {
     model: &'m Model<'m>,
     mode: GpuMode,
     min_tokens: usize,
+    attention_budget: Option<u64>,
     state: State<'m>,
 }
 
@@ -103,10 +112,11 @@ enum State<'m> {
 impl<'m> OnDemand<'m> {
     /// `None` for `off`. With `on`, the adapter is opened and the weights
     /// uploaded now, so that a missing adapter is reported before any work
-    /// and the first prompt's time is the prefill's alone.
-    pub fn new(model: &'m Model<'m>, mode: GpuMode) -> Result<Option<Self>, GpuError> {
+    /// and the first prompt's time is the prefill's alone. `attention_budget`
+    /// as for [`upload`].
+    pub fn new(model: &'m Model<'m>, mode: GpuMode, attention_budget: Option<u64>) -> Result<Option<Self>, GpuError> {
         let Some(min_tokens) = mode.min_tokens() else { return Ok(None) };
-        let mut backend = Self { model, mode, min_tokens, state: State::Closed };
+        let mut backend = Self { model, mode, min_tokens, attention_budget, state: State::Closed };
         if mode == GpuMode::On {
             backend.ready()?;
         }
@@ -116,7 +126,7 @@ impl<'m> OnDemand<'m> {
     /// The backend, opened on first use.
     fn ready(&mut self) -> Result<&GpuPrefill<'m>, GpuError> {
         if let State::Closed = self.state {
-            self.state = State::Ready(Box::new(upload(self.model, self.mode)?));
+            self.state = State::Ready(Box::new(upload(self.model, self.mode, self.attention_budget)?));
         }
         match &self.state {
             State::Ready(prefill) => Ok(prefill),
@@ -126,8 +136,8 @@ impl<'m> OnDemand<'m> {
 }
 
 impl PrefillBackend for OnDemand<'_> {
-    fn takes(&mut self, pos0: usize, n: usize) -> bool {
-        if pos0 != 0 || n < self.min_tokens || matches!(self.state, State::Unavailable) {
+    fn takes(&mut self, _pos0: usize, n: usize) -> bool {
+        if n < self.min_tokens || matches!(self.state, State::Unavailable) {
             return false;
         }
         let mode = self.mode;

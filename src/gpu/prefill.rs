@@ -13,20 +13,37 @@
 //! anything back. When the prompt is done they are read back once and stored
 //! into the CPU cache position by position through [`PagedLayer::store`],
 //! which builds the sketches and codes of the quantized modes exactly as the
-//! CPU prefill does. Prompts that continue a cache already holding positions
-//! are the CPU's to prefill.
+//! CPU prefill does.
+//!
+//! A prompt may continue a cache that already holds positions (a chat's next
+//! turn): before the first chunk, the positions the new rows can see are
+//! uploaded from the cache as attention reads them there ([`PagedLayer::key`]
+//! and [`PagedLayer::value`]: coded pages dequantized), so the GPU attends to
+//! the same keys and values a CPU prefill of the continuation would.
 //!
 //! The stages are those of [`Model::forward`], under the same names; with a
 //! [`Trace`], each stage's output is read back and handed to it.
 //!
+//! With an attention budget ([`GpuPrefill::with_attention_budget`]), a layer
+//! whose attention call would need more working memory than the budget
+//! reads its Q, K and V back and computes the call decomposed ([`Cqs`]),
+//! exactly, writing the output where the whole call would have.
+//!
 //! [`PagedLayer::store`]: crate::kv::PagedLayer::store
+//! [`PagedLayer::key`]: crate::kv::PagedLayer::key
+//! [`PagedLayer::value`]: crate::kv::PagedLayer::value
+
+use std::ops::Range;
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use wgpu::Buffer;
 
 use super::attention::{Attention, AttentionShape};
 use super::context::{Batch, GpuContext, GpuError};
+use super::cqs::plan::Mask;
+use super::cqs::{AttentionCall, Cqs, CqsReport};
 use super::layers::LayerKernels;
 use super::matmul::{Matmul, MatmulShape};
 use super::KernelPath;
@@ -74,6 +91,10 @@ pub struct GpuPrefill<'m> {
     min_tokens: usize,
     /// A cap on [`Self::chunk_tokens`] below the device's.
     max_chunk: usize,
+    /// Decomposed attention for calls past the budget.
+    cqs: Option<Cqs>,
+    /// What it did in the last prompt.
+    cqs_report: std::sync::Mutex<CqsReport>,
 }
 
 /// The activations of one chunk of `tokens` rows.
@@ -141,7 +162,23 @@ impl<'m> GpuPrefill<'m> {
             attention,
             min_tokens: 1,
             max_chunk: usize::MAX,
+            cqs: None,
+            cqs_report: Default::default(),
         })
+    }
+
+    /// Bounds one attention call's working memory to `bytes` (see
+    /// [`super::cqs::working_bytes`]): calls past it are decomposed.
+    pub fn with_attention_budget(mut self, bytes: u64) -> Result<Self, GpuError> {
+        let hp = &self.model.hp;
+        self.cqs = Some(Cqs::new(self.ctx, hp.head_dim_k, hp.n_gqa(), Some(bytes))?);
+        Ok(self)
+    }
+
+    /// What decomposed attention did in the last prompt (zero calls when
+    /// every call fit).
+    pub fn attention_report(&self) -> CqsReport {
+        self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// The kernel variant the heavy kernels run.
@@ -179,8 +216,7 @@ impl<'m> GpuPrefill<'m> {
         n >= self.min_tokens
     }
 
-    /// [`Self::run`] for the engine's seam, which gives the GPU only prompts
-    /// that start at position 0.
+    /// [`Self::run`] for the engine's seam.
     pub fn prefill_into(
         &self,
         tokens: &[u32],
@@ -189,29 +225,30 @@ impl<'m> GpuPrefill<'m> {
         outputs: Outputs,
         hidden: &mut Vec<f32>,
     ) -> Result<(), EngineError> {
-        assert_eq!(pos0, 0, "the GPU prefills prompts from position 0 only");
-        *hidden = self.run(tokens, cache, outputs, None)?;
+        *hidden = self.run(tokens, pos0, cache, outputs, None)?;
         Ok(())
     }
 
-    /// Runs `tokens` at positions `0..` through every layer, stores each
-    /// layer's keys and values in `cache` (which must be empty), and returns
-    /// the final-normed hidden states of the `outputs` rows.
+    /// Runs `tokens` at positions `start..` through every layer (`cache`
+    /// holds positions `..start`), stores each layer's keys and values in
+    /// `cache`, and returns the final-normed hidden states of the `outputs`
+    /// rows.
     pub fn run(
         &self,
         tokens: &[u32],
+        start: usize,
         cache: &mut KvCache,
         outputs: Outputs,
         trace: Option<Trace>,
     ) -> Result<Vec<f32>, GpuError> {
         let hp = &self.model.hp;
-        let n = tokens.len();
+        let (n, end) = (tokens.len(), start + tokens.len());
         let chunk = self.chunk_tokens().min(n);
         let ws = self.workspace(chunk)?;
         let kv_dim = hp.n_head_kv * hp.head_dim_k;
         // Resident keys and values: every position, padded to the attention
         // kernel's blocks with zeros (finite).
-        let rows = n.next_multiple_of(64);
+        let rows = end.next_multiple_of(64);
         let resident: Vec<(Buffer, Buffer)> = (0..hp.n_layer)
             .map(|_| -> Result<_, GpuError> {
                 let k = self.ctx.storage::<f16>("resident keys", rows * kv_dim)?;
@@ -226,12 +263,14 @@ impl<'m> GpuPrefill<'m> {
         }
         zero.clear(&ws.q16);
         zero.submit();
+        self.upload_cached_keys_and_values(&resident, start, cache)?;
         let mut hidden = Vec::new();
         let mut embedded = Vec::new();
         let mut rope = RopeTable::default();
         let mut stages = Stages { ctx: self.ctx, batch: None, trace };
-        for pos0 in (0..n).step_by(chunk) {
-            let chunk_tokens = &tokens[pos0..(pos0 + chunk).min(n)];
+        *self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()) = CqsReport::default();
+        for pos0 in (start..end).step_by(chunk) {
+            let chunk_tokens = &tokens[pos0 - start..(pos0 - start + chunk).min(n)];
             self.embed(chunk_tokens, &mut embedded);
             self.ctx.write(&ws.x, 0, &embedded);
             let positions = pos0..pos0 + chunk_tokens.len();
@@ -248,18 +287,25 @@ impl<'m> GpuPrefill<'m> {
             stages.submit();
             let wanted = match outputs {
                 Outputs::All => 0..chunk_tokens.len(),
-                Outputs::Last if pos0 + chunk_tokens.len() == n => chunk_tokens.len() - 1..chunk_tokens.len(),
+                Outputs::Last if pos0 + chunk_tokens.len() == end => chunk_tokens.len() - 1..chunk_tokens.len(),
                 Outputs::Last => 0..0,
             };
             if !wanted.is_empty() {
                 let x: Vec<f32> =
                     self.ctx.read(&ws.x, (wanted.start * hp.n_embd * 4) as u64, wanted.len() * hp.n_embd)?;
-                let start = hidden.len();
-                hidden.resize(start + x.len(), 0.0);
-                blocks::rms_norm(&x, &self.model.weights().output_norm, hp.rms_eps, &mut hidden[start..]);
+                let at = hidden.len();
+                hidden.resize(at + x.len(), 0.0);
+                blocks::rms_norm(&x, &self.model.weights().output_norm, hp.rms_eps, &mut hidden[at..]);
             }
         }
-        self.store_keys_and_values(&resident, n, cache)?;
+        self.store_keys_and_values(&resident, start..end, cache)?;
+        let report = self.attention_report();
+        if report.calls > 0 {
+            eprintln!(
+                "gpu: attention past the budget of {} bytes: {report}",
+                self.cqs.as_ref().and_then(Cqs::budget).unwrap_or(0)
+            );
+        }
         for buffer in ws.into_buffers() {
             self.ctx.recycle(buffer);
         }
@@ -322,11 +368,18 @@ impl<'m> GpuPrefill<'m> {
             window: hp.window(il).map(|w| w as u32),
             scale: hp.attn_scale,
         };
-        let bind = self.attention.bind(&self.ctx.device, &ws.q16, keys, values, &ws.attn);
-        let sizes = [ws.q16.size(), keys.size(), values.size(), ws.attn.size()];
-        s.batch()
-            .record("attention", |pass| self.attention.dispatch(pass, &bind, &shape, sizes))
-            .map_err(kernel_error)?;
+        match &self.cqs {
+            Some(cqs) if !cqs.fits(n, pos0 + n, hp.n_head, hp.n_head_kv, hp.head_dim_k) => {
+                self.decomposed_attention(s, cqs, ws, keys, values, &shape)?
+            }
+            _ => {
+                let bind = self.attention.bind(&self.ctx.device, &ws.q16, keys, values, &ws.attn);
+                let sizes = [ws.q16.size(), keys.size(), values.size(), ws.attn.size()];
+                s.batch()
+                    .record("attention", |pass| self.attention.dispatch(pass, &bind, &shape, sizes))
+                    .map_err(kernel_error)?;
+            }
+        }
         s.stage("attn_out", il, &ws.attn, n * hp.n_head * hp.head_dim_v)?;
         self.matmul(s.batch(), &ws.attn, &l.wo, &ws.proj, n)?;
         s.stage("attn_proj", il, &ws.proj, n * hp.n_embd)?;
@@ -351,6 +404,43 @@ impl<'m> GpuPrefill<'m> {
         }
         k.add_assign(s.batch(), &ws.x, &ws.proj, n * hp.n_embd);
         s.stage("l_out", il, &ws.x, n * hp.n_embd)
+    }
+
+    /// The attention of `shape` through [`Cqs`]: Q, K and V read back, the
+    /// output written into the workspace's.
+    fn decomposed_attention(
+        &self,
+        s: &mut Stages,
+        cqs: &Cqs,
+        ws: &Workspace,
+        keys: &Buffer,
+        values: &Buffer,
+        shape: &AttentionShape,
+    ) -> Result<(), GpuError> {
+        let hp = &self.model.hp;
+        let (n, kv_len) = (shape.n as usize, shape.kv_len() as usize);
+        let (q_dim, kv_dim) = (hp.n_head * hp.head_dim_k, hp.n_head_kv * hp.head_dim_k);
+        s.submit();
+        let q: Vec<f16> = self.ctx.read(&ws.q16, 0, n * q_dim)?;
+        let k: Vec<f16> = self.ctx.read(keys, 0, kv_len * kv_dim)?;
+        let v: Vec<f16> = self.ctx.read(values, 0, kv_len * kv_dim)?;
+        let call = AttentionCall {
+            q: &q,
+            k: &k,
+            v: &v,
+            queries: n,
+            keys: kv_len,
+            n_head: hp.n_head,
+            n_kv_head: hp.n_head_kv,
+            head_dim: hp.head_dim_k,
+            mask: Mask { causal: true, window: shape.window },
+            scale: shape.scale,
+        };
+        let mut out = vec![0.0f32; n * q_dim];
+        let report = cqs.attend(self.ctx, &call, &mut out)?;
+        self.ctx.write(&ws.attn, 0, &out);
+        self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()).absorb(&report);
+        Ok(())
     }
 
     /// `y = x · wᵀ` for `n` rows of `x`.
@@ -396,24 +486,58 @@ impl<'m> GpuPrefill<'m> {
         })
     }
 
-    /// Reads every layer's resident keys and values back and stores them in
-    /// `cache`, position by position, layers in parallel.
+    /// Uploads the cached keys and values that rows from `start` on can see
+    /// (every earlier position on a global layer, the window on a sliding
+    /// one) into each layer's resident buffers.
+    fn upload_cached_keys_and_values(
+        &self,
+        resident: &[(Buffer, Buffer)],
+        start: usize,
+        cache: &KvCache,
+    ) -> Result<(), GpuError> {
+        if start == 0 {
+            return Ok(());
+        }
+        let hp = &self.model.hp;
+        let (n_kv, dk, dv) = (hp.n_head_kv, hp.head_dim_k, hp.head_dim_v);
+        for (il, (keys, values)) in resident.iter().enumerate() {
+            let layer = cache.layer(il);
+            let seen = layer.visible(start).start..start;
+            let (mut k16, mut v16) = (vec![f16::ZERO; seen.len() * n_kv * dk], vec![f16::ZERO; seen.len() * n_kv * dv]);
+            let (mut k32, mut v32) = (vec![0.0; dk], vec![0.0; dv]);
+            for (i, pos) in seen.clone().enumerate() {
+                for h in 0..n_kv {
+                    layer.key(h, pos, &mut k32);
+                    layer.value(h, pos, &mut v32);
+                    k16[(i * n_kv + h) * dk..][..dk].convert_from_f32_slice(&k32);
+                    v16[(i * n_kv + h) * dv..][..dv].convert_from_f32_slice(&v32);
+                }
+            }
+            self.ctx.write(keys, (seen.start * n_kv * dk * 2) as u64, &k16);
+            self.ctx.write(values, (seen.start * n_kv * dv * 2) as u64, &v16);
+        }
+        Ok(())
+    }
+
+    /// Reads every layer's resident keys and values at `positions` back and
+    /// stores them in `cache`, position by position, layers in parallel.
     fn store_keys_and_values(
         &self,
         resident: &[(Buffer, Buffer)],
-        n: usize,
+        positions: Range<usize>,
         cache: &mut KvCache,
     ) -> Result<(), GpuError> {
         let kv_dim = self.model.hp.n_head_kv * self.model.hp.head_dim_k;
+        let (offset, len) = ((positions.start * kv_dim * 2) as u64, positions.len() * kv_dim);
         let read: Vec<(Vec<f16>, Vec<f16>)> = resident
             .iter()
-            .map(|(k, v)| Ok((self.ctx.read(k, 0, n * kv_dim)?, self.ctx.read(v, 0, n * kv_dim)?)))
+            .map(|(k, v)| Ok((self.ctx.read(k, offset, len)?, self.ctx.read(v, offset, len)?)))
             .collect::<Result<_, GpuError>>()?;
         cache.layers_mut().par_iter_mut().zip(&read).for_each(|(layer, (keys, values))| {
             let (mut k32, mut v32) = (vec![0.0; kv_dim], vec![0.0; kv_dim]);
-            for pos in 0..n {
+            for (i, pos) in positions.clone().enumerate() {
                 for (dst, src) in [(&mut k32, keys), (&mut v32, values)] {
-                    for (d, s) in dst.iter_mut().zip(&src[pos * kv_dim..(pos + 1) * kv_dim]) {
+                    for (d, s) in dst.iter_mut().zip(&src[i * kv_dim..(i + 1) * kv_dim]) {
                         *d = s.to_f32();
                     }
                 }
@@ -482,8 +606,8 @@ fn kernel_error(e: super::KernelError) -> GpuError {
 
 /// One upload serving many sessions (`sift bench`).
 impl PrefillBackend for &GpuPrefill<'_> {
-    fn takes(&mut self, pos0: usize, n: usize) -> bool {
-        pos0 == 0 && self.takes_prompt(n)
+    fn takes(&mut self, _pos0: usize, n: usize) -> bool {
+        self.takes_prompt(n)
     }
 
     fn prefill(
