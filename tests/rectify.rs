@@ -162,3 +162,26 @@ fn an_interval_longer_than_a_batch_is_refused() {
     let q2 = Session::with_policy(&model, 4096, DEFAULT_BATCH, Storage::from(KvMode::Q2), resa());
     assert!(q2.fork(resa(), Rectify::every(100)).is_err(), "the default residual keeps only 65 tokens exact");
 }
+
+/// `sift run --attn resa` over a prompt long enough to decode sparsely:
+/// `--json` counts the rectifications (the default interval, 32, none in 3
+/// steps; one at the end of the reply), and an interval over a batch is a
+/// one-line usage error.
+#[test]
+fn run_reports_rectifications_and_refuses_bad_intervals() {
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(110);
+    let args = ["run", "-p", "-", "--temp", "0", "-n", "4", "--attn", "resa", "--json", "--quiet"];
+    let out = common::sift_with_stdin(&args, prompt.as_bytes());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(json["prompt_tokens"].as_u64().unwrap() > 1024, "{json}");
+    let timings = &json["timings"];
+    assert_eq!(timings["rectifications"], 1, "{json}");
+    assert!(timings["rectify_share"].as_f64().unwrap() > 0.0, "{json}");
+
+    let out = common::sift_with_stdin(&["run", "-p", "hi", "--attn", "resa", "--rectify-every", "513"], b"");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("--rectify-every must be at most one batch of 512 tokens, not 513"), "{stderr}");
+}

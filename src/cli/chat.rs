@@ -23,6 +23,7 @@ use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation, Stats};
 use sift::generate::{Generated, Limits, Sampled, StopReason};
 use sift::model::Model;
+use sift::rectify::RectifyReport;
 use sift::tokenizer::Tokenizer;
 
 use super::{announce_template, context_size, AuditArgs, GenerationArgs, InputError, ModelArgs, Usage};
@@ -116,7 +117,10 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         chat.piped()?;
     }
     if let Some(audit) = chat.audit.take() {
-        audit.finish(&AuditSummary { tokens: chat.tokens, stop: None, turns: Some(chat.turns) })?;
+        let session = chat.conversation.session();
+        let rectify = session.rectify_settings();
+        let rectify = (rectify.every > 0).then(|| RectifyReport::of(rectify, session.rectify_stats()));
+        audit.finish(&AuditSummary { tokens: chat.tokens, stop: None, turns: Some(chat.turns), rectify })?;
     }
     Ok(())
 }

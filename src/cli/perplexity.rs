@@ -179,7 +179,8 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let secs = started.elapsed().as_secs_f64();
     let overall = PerplexityReport::of(&all.scored, all.windows);
     if let Some(log) = audit_log {
-        log.finish(&AuditSummary { tokens: overall.tokens_scored, stop: None, turns: None })?;
+        let rectify = (rectify.every > 0).then(|| RectifyReport::of(rectify, session.rectify_stats()));
+        log.finish(&AuditSummary { tokens: overall.tokens_scored, stop: None, turns: None, rectify })?;
     }
     let kl = base.as_deref().and_then(|b| KlReport::of(&all.scored, b));
     let audit = audited.then(|| AuditTable::of(&checked, args.attention.settings.epsilon));

@@ -10,6 +10,7 @@ use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation};
 use sift::generate::{Limits, Sampled};
 use sift::model::Model;
+use sift::rectify::RectifyReport;
 use sift::tokenizer::Tokenizer;
 
 use super::{announce_template, context_size, read_prompt, AuditArgs, GenerationArgs, ModelArgs};
@@ -123,7 +124,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         return Err(e.into());
     }
     if let Some(audit) = audit {
-        audit.finish(&AuditSummary { tokens: generated.tokens.len(), stop: Some(generated.stop), turns: None })?;
+        let session = conversation.session();
+        let rectify = (rectify.every > 0).then(|| RectifyReport::of(rectify, session.rectify_stats()));
+        let stop = Some(generated.stop);
+        audit.finish(&AuditSummary { tokens: generated.tokens.len(), stop, turns: None, rectify })?;
     }
     if args.json {
         writeln!(stdout, "{}", serde_json::to_string(&generated)?)?;
