@@ -124,7 +124,16 @@ fn check(out: &[f32], q: &[f16], k: &[f16], v: &[f16], n: usize, scale: f32) -> 
     worst
 }
 
-/// The whole call on `path`: wall time, kernel time, allocator peak, output.
+/// One whole call's run.
+struct WholeRun {
+    wall_s: f64,
+    /// From GPU timestamps, where the adapter has them.
+    kernel_ms: Option<f64>,
+    allocator_peak: Option<u64>,
+    out: Vec<f32>,
+}
+
+/// The whole call on `path`.
 fn whole(
     ctx: &GpuContext,
     path: KernelPath,
@@ -133,7 +142,7 @@ fn whole(
     v: &[f16],
     n: usize,
     scale: f32,
-) -> Result<(f64, Option<f64>, Option<u64>, Vec<f32>), GpuError> {
+) -> Result<WholeRun, GpuError> {
     let kernel_error =
         |e: sift::gpu::KernelError| GpuError::Kernel { kernel: "attention".into(), reason: e.to_string() };
     let attention =
@@ -167,9 +176,9 @@ fn whole(
     let sizes = [qb.size(), kb.size(), vb.size(), ob.size()];
     batch.record("attention", |pass| attention.dispatch(pass, &bind, &shape, sizes)).map_err(kernel_error)?;
     batch.mark();
-    let gpu = batch.submit_timed()?.map(|t| t.iter().sum());
+    let kernel_ms = batch.submit_timed()?.map(|t| t.iter().sum());
     let out: Vec<f32> = ctx.read_once(&ob, 0, n * N_HEAD * HEAD_DIM)?;
-    Ok((started.elapsed().as_secs_f64(), gpu, peak, out))
+    Ok(WholeRun { wall_s: started.elapsed().as_secs_f64(), kernel_ms, allocator_peak: peak, out })
 }
 
 fn gib(bytes: u64) -> f64 {
@@ -203,12 +212,13 @@ fn main() {
                 continue;
             }
             match whole(&ctx, path, &q, &k, &v, n, scale) {
-                Ok((wall, gpu, peak, out)) => println!(
-                    "| {n} | {method} | 0 | 1 | {wall:.3} | {} | {:.3} | {} | {:.1e} |",
-                    gpu.map_or("–".into(), |g| format!("{:.3}", g / 1e3)),
+                Ok(run) => println!(
+                    "| {n} | {method} | 0 | 1 | {:.3} | {} | {:.3} | {} | {:.1e} |",
+                    run.wall_s,
+                    run.kernel_ms.map_or("–".into(), |g| format!("{:.3}", g / 1e3)),
                     gib(call_bytes),
-                    peak.map_or("–".into(), |p| format!("{:.3}", gib(p))),
-                    check(&out, &q, &k, &v, n, scale)
+                    run.allocator_peak.map_or("–".into(), |p| format!("{:.3}", gib(p))),
+                    check(&run.out, &q, &k, &v, n, scale)
                 ),
                 Err(e) => println!("| {n} | {method} | – | – | failed: {e} | | | | |"),
             }

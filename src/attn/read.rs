@@ -16,7 +16,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use simd::Kernels;
 
-use super::LayerCall;
+use super::{LayerCall, Scorer};
 use crate::kv::quant::ValueRows;
 use crate::kv::{KeySketch, PagedLayer, Rows, PAGE};
 
@@ -163,7 +163,7 @@ pub struct AttendScratch {
 
 /// Attention of the query rows `queries` (of one KV head's query heads,
 /// rounded to f16 as every policy rounds them) over the keys and values at
-/// `positions` alone, in ggml's arithmetic: scores scaled by `scale`, the
+/// `positions` alone, in ggml's arithmetic: scores by `scorer`, the
 /// softmax in f32, its weights rounded to f16, and their sum of values into
 /// `out` (a row of the value size per query). The softmax's mass elsewhere
 /// is dropped. Pushes each query's `ln Σ exp(s_i)` over those keys to
@@ -173,7 +173,7 @@ pub fn attend_positions(
     kernels: &Kernels,
     rows: &HeadRows,
     queries: &[f32],
-    scale: f32,
+    scorer: Scorer,
     positions: &[Range<usize>],
     s: &mut AttendScratch,
     out: &mut [f32],
@@ -183,7 +183,7 @@ pub fn attend_positions(
     s.scores.resize(heads * n, 0.0);
     rows.scores(kernels, queries, positions, &mut s.scores);
     for scores in s.scores.chunks_exact_mut(n) {
-        scores.iter_mut().for_each(|x| *x *= scale);
+        scorer.score_all(scores);
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let sum = kernels.softmax_exp(scores, max);
         let inv_sum = 1.0 / sum;

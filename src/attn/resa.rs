@@ -185,7 +185,7 @@ impl Resa {
             kernels,
             &rows,
             query,
-            batch.scale,
+            batch.scorer,
             &self.ranges,
             scratch,
             out,

@@ -71,7 +71,7 @@ impl Topk {
             kernels,
             &rows,
             query,
-            batch.scale,
+            batch.scorer,
             &self.ranges,
             scratch,
             out,

@@ -158,7 +158,8 @@ pub struct GpuArgs {
     /// activations) to BYTES: a plain number, or one ending in K, M or G
     /// (KiB, MiB, GiB). A call past it is computed exactly in pieces that fit,
     /// by cyclic quorum sets (Stream-CQSA), and stderr reports the depth and
-    /// the time of each stage. Default: no bound but the device's
+    /// the time of each stage. Without it every call runs whole (the
+    /// prefill's chunks already fit the device's buffer limits)
     #[arg(long, env = "SIFT_GPU_MEM_BUDGET", value_name = "BYTES", value_parser = parse_bytes)]
     pub gpu_mem_budget: Option<u64>,
 }

@@ -68,6 +68,7 @@ pub fn upload<'m>(
 ) -> Result<GpuPrefill<'m>, GpuError> {
     // `off` takes no prompt.
     let min_tokens = mode.min_tokens().unwrap_or(usize::MAX);
+    GpuPrefill::supports(&model.hp)?;
     let gpu = shared(mode.adapter_policy())?;
     let started = std::time::Instant::now();
     let mut prefill = GpuPrefill::new(gpu, model)?.with_min_tokens(min_tokens);

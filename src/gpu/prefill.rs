@@ -114,9 +114,27 @@ struct Workspace {
 }
 
 impl<'m> GpuPrefill<'m> {
+    /// Whether the GPU's kernels compute every step of `hp`'s layers, else
+    /// the step they lack (attention-logit soft-capping, Gemma 2's). Checked
+    /// before any device is opened, so that `--gpu auto` keeps such a model
+    /// on the CPU and `--gpu on` says why it cannot.
+    pub fn supports(hp: &HParams) -> Result<(), GpuError> {
+        match hp.attn_softcap {
+            Some(cap) => Err(GpuError::Kernel {
+                kernel: "attention".into(),
+                reason: format!(
+                    "{} soft-caps attention scores (at {cap}), which the GPU does not",
+                    hp.arch.gguf_name()
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Uploads `model`'s layers to `ctx`'s device and builds the kernels.
     pub fn new(ctx: &'m GpuContext, model: &'m Model<'m>) -> Result<Self, GpuError> {
         let hp = &model.hp;
+        Self::supports(hp)?;
         let path = KernelPath::best(ctx).map_err(kernel_error)?;
         let attention =
             Attention::new(&ctx.device, path, hp.head_dim_k as u32, hp.n_gqa() as u32).map_err(kernel_error)?;
@@ -277,7 +295,7 @@ impl<'m> GpuPrefill<'m> {
             for (table, base, scale) in
                 [(&ws.rope_global, hp.rope.base, hp.rope.freq_scale), (&ws.rope_sliding, hp.rope.base_sliding, 1.0)]
             {
-                rope.fill(&hp.rope, base, scale, positions.clone());
+                rope.fill(&hp.rope.at_context(cache.n_ctx()), base, scale, positions.clone());
                 let pairs: Vec<[f32; 2]> = rope.cos_sin().iter().map(|&(c, s)| [c, s]).collect();
                 self.ctx.write(table, 0, &pairs);
             }
