@@ -11,6 +11,7 @@
 //! and removed on any failure. Paths that cannot be renamed onto (a device such as `/dev/stdout`,
 //! a FIFO, a symbolic link) are written in place.
 
+use crate::rectify::RectifyReport;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::ops::ControlFlow;
@@ -155,6 +156,10 @@ pub struct AuditSummary {
     /// The number of chat turns; absent for `sift run`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub turns: Option<usize>,
+    /// What rectification did, with the per-layer drift of the keys and
+    /// values it rewrote; absent when the session did not rectify.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rectify: Option<RectifyReport>,
 }
 
 /// One query head's attention in one decoding step, as the audit checked it.

@@ -9,7 +9,9 @@
 //! cache is emptied, the prompt prefilled anew, and [`Stats::re_prefills`] counts it.
 //!
 //! Generation itself is [`generate`]: limits and stop strings in [`Limits`], text streamed to a
-//! callback, every token shown to another callback that can stop it at the next token.
+//! callback, every token shown to another callback that can stop it at the next token. A session
+//! that rectifies sparse decoding ([`crate::rectify`]) is rectified when a reply ends, so that the
+//! next request starts from a clean cache.
 
 use std::ops::ControlFlow;
 
@@ -19,6 +21,7 @@ use crate::engine::{EngineError, Session, DEFAULT_BATCH};
 use crate::generate::{generate, Generated, Limits, Sampled};
 use crate::kv::Storage;
 use crate::model::Model;
+use crate::rectify::Rectify;
 use crate::sample::{Sampler, SamplingParams};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -83,6 +86,13 @@ impl<'m> Conversation<'m> {
             cached: Vec::new(),
             stats: Stats::default(),
         }
+    }
+
+    /// Rectifies sparse decoding as `rectify` says; starts the conversation over.
+    pub fn set_rectify(&mut self, rectify: Rectify) -> Result<(), EngineError> {
+        self.session.set_rectify(rectify)?;
+        self.reset();
+        Ok(())
     }
 
     pub fn session(&self) -> &Session<'m> {
@@ -160,6 +170,13 @@ impl<'m> Conversation<'m> {
         }
         let generated =
             generate(&mut self.session, self.tokenizer, &mut self.sampler, &ids[start..], limits, on_text, on_token);
+        // The reply's last tokens are rectified now, so that the next turn starts from a clean cache.
+        let before = self.session.rectify_stats().clone();
+        let generated = generated.and_then(|mut generated| {
+            self.session.rectify()?;
+            generated.add_rectification(self.session.rectify_stats().since(&before));
+            Ok(generated)
+        });
         let generated = match generated {
             Ok(generated) => generated,
             Err(e) => {

@@ -11,13 +11,20 @@
 //! given ([`Session::set_prefill_backend`]) and says which it takes. Either
 //! leaves every position's keys and values in the session's cache, in its
 //! mode, and the final hidden states of the rows asked for. Decoding is the CPU's.
+//!
+//! Under a sparse policy, a session can rectify what its decoding steps
+//! wrote ([`Session::set_rectify`], [`crate::rectify`]): every few steps,
+//! and before the cache takes any other tokens, the tokens decoded since the
+//! last pass are run again densely in one batch and their keys and values
+//! overwritten.
 
 use crate::attn::dense::Dense;
-use crate::attn::{AttentionPolicy, HeadRecord};
+use crate::attn::{AttentionKind, AttentionPolicy, HeadRecord};
 use crate::gpu::GpuError;
-use crate::kv::{KvCache, Storage};
+use crate::kv::{KvCache, Settled, Storage};
 use crate::matmul::MatmulScratch;
 use crate::model::{Attention, Model, Outputs, Scratch};
+use crate::rectify::{self, Rectify, RectifyStats};
 use crate::threads;
 
 /// The batch size of prefill (llama.cpp's default micro-batch).
@@ -35,6 +42,12 @@ pub enum EngineError {
     EmptyInput,
     #[error("GPU prefill: {0}")]
     Gpu(#[from] GpuError),
+    #[error("--rectify-every {every} is more than one batch of {batch} tokens")]
+    RectifyWindow { every: usize, batch: usize },
+    #[error("rectification: {0}")]
+    Rectify(#[from] Settled),
+    #[error("the session's cache has no key sketches, which this policy reads")]
+    NoSketches,
 }
 
 /// Runs a prompt's forward pass: stores the keys and values of `tokens` at
@@ -109,6 +122,14 @@ pub struct Session<'m> {
     hidden: Vec<f32>,
     /// The backend that takes the prompts it wants; the CPU takes the rest.
     prefill_backend: Option<Box<dyn PrefillBackend + 'm>>,
+    /// How the cache stores its tokens.
+    storage: Storage,
+    rectify: Rectify,
+    /// Tokens decoded since the last rectification, the newest in the cache.
+    pending: Vec<u32>,
+    /// Whether any attention call of a pending token read sparsely.
+    pending_sparse: bool,
+    rectified: RectifyStats,
 }
 
 impl<'m> Session<'m> {
@@ -143,6 +164,11 @@ impl<'m> Session<'m> {
         Self {
             model,
             cache: KvCache::new(&model.cache_shape(), storage, n_ctx, batch),
+            storage,
+            rectify: Rectify::default(),
+            pending: Vec::new(),
+            pending_sparse: false,
+            rectified: RectifyStats::default(),
             scratch: Scratch::default(),
             head_scratch: MatmulScratch::default(),
             logits: Vec::new(),
@@ -160,6 +186,52 @@ impl<'m> Session<'m> {
     /// and every decoding step.
     pub fn set_prefill_backend(&mut self, backend: Box<dyn PrefillBackend + 'm>) {
         self.prefill_backend = Some(backend);
+    }
+
+    /// Rectifies every `rectify.every` decoded tokens (0: never). Starts the
+    /// session over, in a cache whose residual window keeps that many tokens
+    /// exact ([`Rectify::storage`]).
+    pub fn set_rectify(&mut self, rectify: Rectify) -> Result<(), EngineError> {
+        if rectify.every > self.batch {
+            return Err(EngineError::RectifyWindow { every: rectify.every, batch: self.batch });
+        }
+        let storage = rectify.storage(self.storage);
+        if storage.residual != self.storage.residual {
+            self.cache = KvCache::new(&self.model.cache_shape(), storage, self.n_ctx(), self.batch);
+            self.storage = storage;
+        }
+        self.rectify = rectify;
+        self.reset();
+        Ok(())
+    }
+
+    pub fn rectify_settings(&self) -> Rectify {
+        self.rectify
+    }
+
+    /// What rectification did over the session's life (a reset keeps it).
+    pub fn rectify_stats(&self) -> &RectifyStats {
+        &self.rectified
+    }
+
+    /// A session attending with `policy` and rectifying as `rectify` says,
+    /// whose cache is a copy of this one's: one prefill for runs that then
+    /// decode apart. The cache must hold what they need: sketches for a
+    /// policy that reads them, and exact tokens enough for `rectify`.
+    pub fn fork(&self, policy: Box<dyn AttentionPolicy>, rectify: Rectify) -> Result<Session<'m>, EngineError> {
+        if policy.reads_sketch() && !self.storage.sketches() {
+            return Err(EngineError::NoSketches);
+        }
+        if rectify.every > self.batch || rectify.storage(self.storage).residual > self.storage.residual {
+            return Err(EngineError::RectifyWindow { every: rectify.every, batch: self.batch });
+        }
+        let mut fork = Session::with_policy(self.model, 1, 1, self.storage, policy);
+        fork.cache = self.cache.clone();
+        fork.batch = self.batch;
+        fork.n_past = self.n_past;
+        fork.steps = self.steps;
+        fork.rectify = rectify;
+        Ok(fork)
     }
 
     pub fn policy(&self) -> &dyn AttentionPolicy {
@@ -195,6 +267,10 @@ impl<'m> Session<'m> {
         self.batch
     }
 
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+
     pub fn cache_bytes(&self) -> usize {
         self.cache.bytes()
     }
@@ -203,11 +279,73 @@ impl<'m> Session<'m> {
     pub fn reset(&mut self) {
         self.n_past = 0;
         self.steps = 0;
+        self.pending.clear();
+        self.pending_sparse = false;
+        self.policy.forget_from(0);
     }
 
-    /// Appends `tokens` and returns the logits after the last one.
+    /// Appends `tokens` and returns the logits after the last one, first
+    /// rectifying the tokens decoded since the last rectification.
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
         self.check(tokens)?;
+        self.rectify()?;
+        self.run_last(tokens)
+    }
+
+    /// Appends one token and returns the logits after it: a decoding step,
+    /// followed by a rectification when it completes a window of
+    /// [`Rectify::every`] tokens.
+    pub fn decode(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        self.check(&[token])?;
+        self.run_last(&[token])?;
+        self.steps += 1;
+        if self.rectify.every > 0 {
+            self.pending.push(token);
+            self.pending_sparse |= self.records.iter().any(|r| r.certificate.kind != AttentionKind::Dense);
+            if self.pending.len() >= self.rectify.every {
+                self.rectify()?;
+            }
+        }
+        Ok(&self.logits)
+    }
+
+    /// Runs the tokens decoded since the last rectification again, densely
+    /// and in one batch at their positions, and overwrites what they left in
+    /// the cache; nothing to do when none of them was read sparsely. The
+    /// logits and records of the latest call stay as they were.
+    pub fn rectify(&mut self) -> Result<(), EngineError> {
+        let tokens = std::mem::take(&mut self.pending);
+        if !std::mem::take(&mut self.pending_sparse) || tokens.is_empty() {
+            return Ok(());
+        }
+        let started = std::time::Instant::now();
+        let pos0 = self.n_past - tokens.len();
+        let model = self.model;
+        let hp = &model.hp;
+        let dims = (hp.head_dim_k, hp.head_dim_v);
+        let keys_len = tokens.len() * hp.n_head_kv * hp.head_dim_k;
+        let read = |cache: &KvCache| rectify::read_rows(cache, hp.n_head_kv, dims, pos0..pos0 + tokens.len());
+        let before = self.rectify.measure_drift.then(|| read(&self.cache));
+        self.cache.truncate(pos0)?;
+        self.policy.forget_from(pos0);
+        let mut records = Vec::new();
+        let mut hidden = Vec::new();
+        threads::on_pool(|| {
+            let attention = Attention { policy: &mut Dense, step: self.steps, records: &mut records };
+            let mut cpu = CpuPrefill { model: self.model, scratch: &mut self.scratch, attention, batch: self.batch };
+            cpu.prefill(&tokens, pos0, &mut self.cache, Outputs::Last, &mut hidden)
+        })?;
+        if let Some(before) = before {
+            rectify::add_drift(&mut self.rectified.drift, &before, &read(&self.cache), keys_len);
+        }
+        self.rectified.passes += 1;
+        self.rectified.tokens += tokens.len() as u64;
+        self.rectified.time += started.elapsed();
+        Ok(())
+    }
+
+    /// Appends checked `tokens` and returns the logits after the last one.
+    fn run_last(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
         self.records.clear();
         threads::on_pool(|| {
             self.forward(tokens, Outputs::Last)?;
@@ -218,19 +356,13 @@ impl<'m> Session<'m> {
         })
     }
 
-    /// Appends one token and returns the logits after it: a decoding step.
-    pub fn decode(&mut self, token: u32) -> Result<&[f32], EngineError> {
-        self.prefill(&[token])?;
-        self.steps += 1;
-        Ok(&self.logits)
-    }
-
     /// Appends `tokens` (at most one batch) and hands the final-normed hidden
     /// state of every one of them to the caller, who computes logits for the
     /// rows it needs (perplexity scores half a chunk, in small groups).
     pub fn evaluate_all(&mut self, tokens: &[u32]) -> Result<&[f32], EngineError> {
         self.check(tokens)?;
         assert!(tokens.len() <= self.batch, "evaluate_all takes at most one batch");
+        self.rectify()?;
         self.records.clear();
         threads::on_pool(|| self.forward(tokens, Outputs::All))?;
         Ok(&self.hidden)

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::attn::HeadRecord;
 use crate::engine::{EngineError, Session};
+use crate::rectify::RectifyStats;
 use crate::sample::Sampler;
 use crate::tokenizer::{TextStream, Tokenizer};
 
@@ -48,6 +49,10 @@ pub struct Generated {
     /// Time spent in decode steps, and how many there were.
     pub decode_time: Duration,
     pub decode_steps: usize,
+    /// Dense rectification passes among the decode steps, and their share
+    /// of `decode_time` ([`crate::rectify`]).
+    pub rectifications: u64,
+    pub rectify_time: Duration,
 }
 
 impl Generated {
@@ -57,6 +62,28 @@ impl Generated {
 
     pub fn decode_tok_s(&self) -> f64 {
         per_second(self.decode_steps, self.decode_time)
+    }
+
+    /// The share of the decode time that rectification took.
+    pub fn rectify_share(&self) -> f64 {
+        if self.decode_time.is_zero() {
+            0.0
+        } else {
+            self.rectify_time.as_secs_f64() / self.decode_time.as_secs_f64()
+        }
+    }
+
+    /// Counts the rectification passes of the decode steps.
+    fn count_rectifications(&mut self, rectified: RectifyStats) {
+        self.rectifications += rectified.passes;
+        self.rectify_time += rectified.time;
+    }
+
+    /// Counts a rectification pass run after the decode steps (a chat's at
+    /// the end of a reply) among them, its time in theirs.
+    pub fn add_rectification(&mut self, rectified: RectifyStats) {
+        self.decode_time += rectified.time;
+        self.count_rectifications(rectified);
     }
 }
 
@@ -76,6 +103,9 @@ impl serde::Serialize for Generated {
             decode_ms: f64,
             prefill_tok_s: f64,
             decode_tok_s: f64,
+            rectifications: u64,
+            rectify_ms: f64,
+            rectify_share: f64,
         }
         #[derive(serde::Serialize)]
         struct Shape<'a> {
@@ -100,6 +130,9 @@ impl serde::Serialize for Generated {
                 decode_ms: ms(self.decode_time),
                 prefill_tok_s: self.prefill_tok_s(),
                 decode_tok_s: self.decode_tok_s(),
+                rectifications: self.rectifications,
+                rectify_ms: ms(self.rectify_time),
+                rectify_share: self.rectify_share(),
             },
         };
         serde::Serialize::serialize(&shape, serializer)
@@ -139,6 +172,7 @@ pub fn generate(
     let started = Instant::now();
     let mut logits = session.prefill(prompt)?.to_vec();
     let prefill_time = started.elapsed();
+    let rectified = session.rectify_stats().clone();
     for &t in prompt {
         sampler.accept(t);
     }
@@ -154,6 +188,8 @@ pub fn generate(
         prefill_time,
         decode_time: Duration::ZERO,
         decode_steps: 0,
+        rectifications: 0,
+        rectify_time: Duration::ZERO,
     };
     let mut emit = |out: &mut Generated, text: &str| {
         if !text.is_empty() {
@@ -179,6 +215,7 @@ pub fn generate(
         };
         if on_token(&sampled).is_break() {
             out.stop = StopReason::Interrupted;
+            out.count_rectifications(session.rectify_stats().since(&rectified));
             return Ok(out);
         }
         if eog {
@@ -192,6 +229,7 @@ pub fn generate(
             Scan::Stop(text) => {
                 emit(&mut out, &text);
                 out.stop = StopReason::StopString;
+                out.count_rectifications(session.rectify_stats().since(&rectified));
                 return Ok(out);
             }
         }
@@ -217,6 +255,7 @@ pub fn generate(
             out.stop = StopReason::StopString;
         }
     }
+    out.count_rectifications(session.rectify_stats().since(&rectified));
     Ok(out)
 }
 

@@ -3,7 +3,8 @@
 //! Reading order: [`gguf`] maps a model file; [`model`] turns its metadata and
 //! tensors into a transformer and runs the forward pass top-down, calling
 //! [`matmul`] for quantized products and [`attn`] for attention over the
-//! [`kv`] cache; [`engine`] drives prefill and decoding for a session;
+//! [`kv`] cache; [`engine`] drives prefill and decoding for a session, and [`rectify`] refreshes
+//! what sparse decoding wrote to the cache;
 //! [`sample`] picks tokens; [`tokenizer`] maps text to ids and back; [`generate`]
 //! runs the loop of the two, and [`chat`] renders conversations for it;
 //! [`conversation`] keeps a session's cache across the requests of a conversation, for the
@@ -21,6 +22,7 @@ pub mod kv;
 pub mod matmul;
 pub mod model;
 pub mod perplexity;
+pub mod rectify;
 pub mod sample;
 pub mod serve;
 pub mod threads;

@@ -66,6 +66,9 @@ impl<'a> Matrix<'a> {
     /// `out[t * rows + r] = W[r] · x[t]` for the `x.len() / cols` rows of `x`.
     pub fn matmul(&self, x: &[f32], out: &mut [f32], scratch: &mut MatmulScratch) {
         if self.ty != WeightType::F32 && F32_ACTIVATIONS.load(Ordering::Relaxed) {
+            if x.len() == self.cols {
+                return self.dequantized_matvec(x, out);
+            }
             let mut weights = std::mem::take(&mut scratch.dequantized);
             weights.resize(self.rows * self.cols, 0.0);
             weights.par_chunks_mut(self.cols).enumerate().for_each(|(r, out)| self.dequantize_row(r, out));
@@ -118,6 +121,30 @@ impl<'a> Matrix<'a> {
             for (b, res) in by_row_block.chunks(block * n_tokens).enumerate() {
                 let n_rows = res.len() / n_tokens;
                 out[b * block..][..n_rows].copy_from_slice(&res[t * n_rows..][..n_rows]);
+            }
+        });
+    }
+
+    /// One row of f32 activations against the weights dequantized to f32,
+    /// a row at a time as each task reaches it: the products of the
+    /// dequantized matrix (the same single-row dots), without writing it out
+    /// and reading it back for every decoded token.
+    fn dequantized_matvec(&self, x: &[f32], out: &mut [f32]) {
+        let k = kernels();
+        let (acts, row_bytes) = (bytemuck::cast_slice(x), self.cols * std::mem::size_of::<f32>());
+        let block = self.row_block(1);
+        out.par_chunks_mut(block).enumerate().for_each(|(b, out)| {
+            let mut row = vec![0.0f32; self.cols];
+            for (i, out) in out.iter_mut().enumerate() {
+                self.dequantize_row(b * block + i, &mut row);
+                k.dot_rows(
+                    WeightType::F32,
+                    bytemuck::cast_slice(&row),
+                    row_bytes,
+                    acts,
+                    self.cols,
+                    std::slice::from_mut(out),
+                );
             }
         });
     }

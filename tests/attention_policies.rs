@@ -7,6 +7,8 @@
 //!   within its f16 arithmetic of the reference;
 //! * top-k is dense attention over exactly the pages this test picks by the
 //!   sketch's page bounds, the sinks and the window;
+//! * ReSA is dense attention over exactly the blocks of 16 this test picks
+//!   by the Quest bound of the group's mean query;
 //! * the audit's errors are this test's own, on all three measures;
 //! * perplexity scored through decoding steps with dense attention is the
 //!   batched path's, within float noise.
@@ -23,6 +25,7 @@ mod common;
 use half::f16;
 use sift::attn::audit::Audited;
 use sift::attn::dense::{attend, Dense};
+use sift::attn::resa::{self, Resa};
 use sift::attn::topk::Topk;
 use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Measure, Scorer};
 use sift::engine::Session;
@@ -205,6 +208,83 @@ fn topk_is_dense_attention_over_the_chosen_pages() {
         if k == 100 {
             assert!(records.iter().all(|r| r.keys_read == LEN), "every page fits in 100");
         }
+    }
+}
+
+/// The positions ReSA must read for the query heads of `kv_head`: the newest
+/// block of 16 and, of the others, the `max(⌈0.1·n⌉, min(n, 16))` whose
+/// Quest bound for the group's mean query, from the blocks' per-channel key
+/// minima and maxima (all in f64 here), is largest.
+fn resa_positions(layer: &PagedLayer, kv_head: usize, queries: &[f32]) -> Vec<usize> {
+    let block = 16;
+    let n = LEN.div_ceil(block);
+    let mean: Vec<f64> = (0..DIM_K)
+        .map(|c| (0..N_GQA).map(|g| f64::from(queries[(kv_head * N_GQA + g) * DIM_K + c])).sum::<f64>() / N_GQA as f64)
+        .collect();
+    let mut key = vec![0.0; DIM_K];
+    let mut scores: Vec<(f64, usize)> = (0..n - 1)
+        .map(|b| {
+            let (mut lo, mut hi) = (vec![f64::INFINITY; DIM_K], vec![f64::NEG_INFINITY; DIM_K]);
+            for pos in b * block..(b + 1) * block {
+                layer.key(kv_head, pos, &mut key);
+                for c in 0..DIM_K {
+                    lo[c] = lo[c].min(f64::from(key[c]));
+                    hi[c] = hi[c].max(f64::from(key[c]));
+                }
+            }
+            ((0..DIM_K).map(|c| (mean[c] * lo[c]).max(mean[c] * hi[c])).sum(), b)
+        })
+        .collect();
+    scores.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let keep = ((0.1 * n as f64).ceil() as usize).max(n.min(16));
+    let mut blocks: Vec<usize> = scores.iter().take(keep).map(|&(_, b)| b).chain([n - 1]).collect();
+    blocks.sort_unstable();
+    blocks.iter().flat_map(|&b| b * block..((b + 1) * block).min(LEN)).collect()
+}
+
+#[test]
+fn resa_is_dense_attention_over_the_chosen_blocks() {
+    for mode in [KvMode::F16, KvMode::Q4] {
+        let fixture = Fixture::new(mode, 4);
+        let mut policy = Resa::new(resa::Params::default());
+        let (out, records) = fixture.attend(&mut policy);
+        for head in 0..N_HEAD {
+            let positions = resa_positions(&fixture.layer, head / N_GQA, &fixture.queries);
+            // 94 blocks: 16 chosen and the newest (12 positions).
+            assert_eq!(positions.len(), 16 * 16 + 12, "{mode} head {head}");
+            let reference = reference(&fixture.layer, head, &fixture.query(head), &positions);
+            assert_close(&out[head * DIM_V..][..DIM_V], &reference, &format!("{mode} head {head}"));
+            let record = &records[head];
+            assert_eq!((record.head, record.keys_read, record.visible), (head, positions.len(), LEN));
+            assert!(record.certificate.epsilon.is_infinite());
+            let estimate = record.estimate.expect("ReSA estimates the denominator over its blocks");
+            assert!((estimate.log_denominator - reference.log_denominator).abs() < 1e-4, "{mode} head {head}");
+        }
+    }
+}
+
+#[test]
+fn resa_rebuilds_the_descriptors_of_positions_the_cache_forgot() {
+    for mode in [KvMode::F16, KvMode::Q4] {
+        let mut fixture = Fixture::new(mode, 5);
+        let (mut forgetful, mut stale) = (Resa::new(resa::Params::default()), Resa::new(resa::Params::default()));
+        fixture.attend(&mut forgetful);
+        fixture.attend(&mut stale);
+        // The keys of the last 40 positions are stored anew, leaning hard
+        // along the queries, so that their blocks now score highest.
+        let from = LEN - 40;
+        fixture.layer.truncate(from).unwrap();
+        let mut rng = Rng(6);
+        for pos in from..LEN {
+            let keys: Vec<f32> =
+                (0..N_KV_HEAD * DIM_K).map(|c| (rng.normal() + if c % DIM_K < 8 { 6.0 } else { 0.0 }) as f32).collect();
+            let values: Vec<f32> = (0..N_KV_HEAD * DIM_V).map(|_| rng.normal() as f32).collect();
+            fixture.layer.store(pos, &keys, &values);
+        }
+        forgetful.forget_from(from);
+        let fresh = fixture.attend(&mut Resa::new(resa::Params::default()));
+        assert_eq!(fixture.attend(&mut forgetful), fresh, "{mode}: the rebuilt descriptors are not a fresh policy's");
+        assert_ne!(fixture.attend(&mut stale).0, fresh.0, "{mode}: the rewrite changed no block's choice");
     }
 }
 

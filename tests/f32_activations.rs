@@ -53,4 +53,12 @@ fn f32_activations_match_f64_where_quantized_ones_do_not() {
         assert!(exact < 1e-5, "{tokens} tokens, f32 activations: relative error {exact:e}");
         assert!(quantized > 1e-4, "{tokens} tokens, 8-bit activations: relative error only {quantized:e}");
     }
+    // A decoded row (its weights dequantized row by row) is a batch's row
+    // (the whole matrix dequantized first), bit for bit.
+    let x: Vec<f32> = (0..cols).map(|_| rng.normal() as f32).collect();
+    let (mut one, mut two) = (vec![0.0; rows], vec![0.0; 2 * rows]);
+    matrix.matmul(&x, &mut one, &mut MatmulScratch::default());
+    matrix.matmul(&[x.clone(), x].concat(), &mut two, &mut MatmulScratch::default());
+    assert_eq!(one, two[..rows], "the decoding path is not the batched one");
+    assert_eq!(one, two[rows..]);
 }

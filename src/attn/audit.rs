@@ -51,6 +51,10 @@ impl AttentionPolicy for Audited {
         self.inner.reads_sketch()
     }
 
+    fn forget_from(&mut self, pos: usize) {
+        self.inner.forget_from(pos);
+    }
+
     fn attend(&mut self, call: &LayerCall, out: &mut [f32], records: &mut Vec<HeadRecord>) {
         let first = records.len();
         self.inner.attend(call, out, records);
@@ -206,6 +210,7 @@ pub struct LayerKinds {
     pub dense: usize,
     pub certified: usize,
     pub topk: usize,
+    pub resa: usize,
 }
 
 impl AuditTable {
@@ -229,7 +234,7 @@ impl AuditTable {
             dense_bytes += checked.dense_bytes;
             let at = table.layers.partition_point(|l| l.layer < record.layer);
             if table.layers.get(at).is_none_or(|l| l.layer != record.layer) {
-                let layer = LayerKinds { layer: record.layer, dense: 0, certified: 0, topk: 0 };
+                let layer = LayerKinds { layer: record.layer, dense: 0, certified: 0, topk: 0, resa: 0 };
                 table.layers.insert(at, layer);
             }
             let layer = &mut table.layers[at];
@@ -237,6 +242,7 @@ impl AuditTable {
                 AttentionKind::Dense => &mut layer.dense,
                 AttentionKind::Certified => &mut layer.certified,
                 AttentionKind::Topk => &mut layer.topk,
+                AttentionKind::Resa => &mut layer.resa,
             } += 1;
         }
         table.keys_mean = keys.iter().sum::<f64>() / keys.len().max(1) as f64;
@@ -283,7 +289,7 @@ impl fmt::Display for AuditTable {
         )?;
         write!(f, "(ε = {}; keys as a share of the visible positions; layers checked:", self.epsilon)?;
         for l in &self.layers {
-            write!(f, " {} [dense {}, certified {}, topk {}]", l.layer, l.dense, l.certified, l.topk)?;
+            write!(f, " {} [dense {}, certified {}, topk {}, resa {}]", l.layer, l.dense, l.certified, l.topk, l.resa)?;
         }
         write!(f, ")")
     }
@@ -333,8 +339,8 @@ mod tests {
         assert!((table.error_p90 - 0.8).abs() < 1e-12, "{}", table.error_p90);
         assert!((table.error_max - 2.0).abs() < 1e-12);
         let layers = [
-            LayerKinds { layer: 5, dense: 0, certified: 9, topk: 0 },
-            LayerKinds { layer: 11, dense: 1, certified: 1, topk: 0 },
+            LayerKinds { layer: 5, dense: 0, certified: 9, topk: 0, resa: 0 },
+            LayerKinds { layer: 11, dense: 1, certified: 1, topk: 0, resa: 0 },
         ];
         assert_eq!(table.layers, layers);
     }

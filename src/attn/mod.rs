@@ -13,6 +13,7 @@ pub mod audit;
 pub mod certified;
 pub mod dense;
 pub mod read;
+pub mod resa;
 pub mod topk;
 
 use std::ops::Range;
@@ -157,6 +158,11 @@ pub trait AttentionPolicy: Send {
     /// attention over the positions the cache shows it. Appends one
     /// [`HeadRecord`] per query head to `records`.
     fn attend(&mut self, call: &LayerCall, out: &mut [f32], records: &mut Vec<HeadRecord>);
+
+    /// The cache forgets its positions from `pos` on, to store them anew (a
+    /// reset, a rectification): a policy that keeps summaries of the keys it
+    /// has seen drops those of these positions.
+    fn forget_from(&mut self, _pos: usize) {}
 }
 
 /// The visible positions from which a sparse policy reads a decoding step
@@ -211,10 +217,15 @@ pub enum AttentionKind {
     /// The pages with the largest score bounds read exactly, the rest
     /// dropped: no bound at all.
     Topk,
+    /// The blocks of 16 keys with the largest min/max score bounds for the
+    /// mean query of a KV head's query heads read exactly (ReSA's sparse
+    /// phase), the rest dropped: no bound at all.
+    Resa,
 }
 
 impl AttentionKind {
-    pub const ALL: [AttentionKind; 3] = [AttentionKind::Dense, AttentionKind::Certified, AttentionKind::Topk];
+    pub const ALL: [AttentionKind; 4] =
+        [AttentionKind::Dense, AttentionKind::Certified, AttentionKind::Topk, AttentionKind::Resa];
 }
 
 impl std::fmt::Display for AttentionKind {
@@ -223,12 +234,13 @@ impl std::fmt::Display for AttentionKind {
             AttentionKind::Dense => "dense",
             AttentionKind::Certified => "certified",
             AttentionKind::Topk => "topk",
+            AttentionKind::Resa => "resa",
         })
     }
 }
 
 #[derive(Debug, thiserror::Error)]
-#[error("unknown attention '{0}' (expected dense, certified or topk)")]
+#[error("unknown attention '{0}' (expected dense, certified, topk or resa)")]
 pub struct UnknownAttention(String);
 
 impl std::str::FromStr for AttentionKind {

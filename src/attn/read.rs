@@ -16,7 +16,7 @@ use half::f16;
 use half::slice::HalfFloatSliceExt;
 use simd::Kernels;
 
-use super::LayerCall;
+use super::{LayerCall, Scorer};
 use crate::kv::quant::ValueRows;
 use crate::kv::{KeySketch, PagedLayer, Rows, PAGE};
 
@@ -152,6 +152,47 @@ impl<'a> HeadRows<'a> {
         let rows = |range: &Range<usize>| self.cache.value_rows(self.head, range.clone());
         positions.iter().flat_map(rows).map(|rows| stretch_bytes(rows, ValueRows::bytes)).sum()
     }
+}
+
+/// Buffers for [`attend_positions`].
+#[derive(Default)]
+pub struct AttendScratch {
+    scores: Vec<f32>,
+    halves: Vec<f16>,
+}
+
+/// Attention of the query rows `queries` (of one KV head's query heads,
+/// rounded to f16 as every policy rounds them) over the keys and values at
+/// `positions` alone, in ggml's arithmetic: scores by `scorer`, the
+/// softmax in f32, its weights rounded to f16, and their sum of values into
+/// `out` (a row of the value size per query). The softmax's mass elsewhere
+/// is dropped. Pushes each query's `ln Σ exp(s_i)` over those keys to
+/// `log_denominators`.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_positions(
+    kernels: &Kernels,
+    rows: &HeadRows,
+    queries: &[f32],
+    scorer: Scorer,
+    positions: &[Range<usize>],
+    s: &mut AttendScratch,
+    out: &mut [f32],
+    log_denominators: &mut Vec<f64>,
+) {
+    let (heads, n) = (queries.len() / rows.dim_k, count(positions));
+    s.scores.resize(heads * n, 0.0);
+    rows.scores(kernels, queries, positions, &mut s.scores);
+    for scores in s.scores.chunks_exact_mut(n) {
+        scorer.score_all(scores);
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let sum = kernels.softmax_exp(scores, max);
+        let inv_sum = 1.0 / sum;
+        scores.iter_mut().for_each(|p| *p *= inv_sum);
+        log_denominators.push(f64::from(max) + f64::from(sum).ln());
+    }
+    round_to_f16(&mut s.scores, &mut s.halves);
+    out.fill(0.0);
+    rows.weigh(kernels, &s.scores, positions, out);
 }
 
 /// The bytes of one stretch; `page_bytes` is a coded page's size.

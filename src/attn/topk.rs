@@ -18,7 +18,7 @@ use half::f16;
 use simd::Kernels;
 
 use super::dense::Dense;
-use super::read::{self, round_to_f16, HeadRows};
+use super::read::{self, round_to_f16, AttendScratch, HeadRows};
 use super::{worth_sparse, AttentionKind, AttentionPolicy, Certificate, Estimate, HeadRecord, LayerCall, Split};
 use crate::kv::quant::Affine;
 use crate::kv::PAGE;
@@ -38,7 +38,8 @@ pub struct Topk {
     /// Pages read: the chosen and the unsketched.
     chosen: Vec<usize>,
     ranges: Vec<Range<usize>>,
-    scores: Vec<f32>,
+    attend: AttendScratch,
+    log_denominator: Vec<f64>,
 }
 
 impl Topk {
@@ -64,16 +65,18 @@ impl Topk {
         self.ranges.extend(read::join(ranges));
 
         let n = read::count(&self.ranges);
-        self.scores.resize(n, 0.0);
-        rows.scores(kernels, &self.query, &self.ranges, &mut self.scores);
-        batch.scorer.score_all(&mut self.scores);
-        let max = self.scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let sum = kernels.softmax_exp(&mut self.scores, max);
-        let inv_sum = 1.0 / sum;
-        self.scores.iter_mut().for_each(|p| *p *= inv_sum);
-        round_to_f16(&mut self.scores, &mut self.halves);
-        out.fill(0.0);
-        rows.weigh(kernels, &self.scores, &self.ranges, out);
+        self.log_denominator.clear();
+        let (query, scratch) = (&self.query, &mut self.attend);
+        read::attend_positions(
+            kernels,
+            &rows,
+            query,
+            batch.scorer,
+            &self.ranges,
+            scratch,
+            out,
+            &mut self.log_denominator,
+        );
 
         let sketch_bytes = scanned * batch.head_dim_k * std::mem::size_of::<Affine>();
         let bytes = rows.key_bytes(&self.ranges) + rows.value_bytes(&self.ranges) + sketch_bytes;
@@ -86,7 +89,7 @@ impl Topk {
             visible: visible.len(),
             keys_read: n,
             bytes_read: bytes as f64,
-            estimate: Some(Estimate { log_denominator: f64::from(max) + f64::from(sum).ln(), bound: f64::INFINITY }),
+            estimate: Some(Estimate { log_denominator: self.log_denominator[0], bound: f64::INFINITY }),
             audit: None,
         }
     }

@@ -5,8 +5,11 @@ use clap::Args;
 use sift::attn::audit::Audited;
 use sift::attn::certified::{CertifiedPolicy, Grid, Params, PerturbationSeed};
 use sift::attn::dense::Dense;
+use sift::attn::resa::{self, Resa};
 use sift::attn::topk::Topk;
 use sift::attn::{AttentionKind, AttentionPolicy, Measure};
+use sift::engine::DEFAULT_BATCH;
+use sift::rectify::{Rectify, DEFAULT_EVERY};
 
 use super::Usage;
 
@@ -55,6 +58,7 @@ impl PolicyArgs {
         let policy: Box<dyn AttentionPolicy> = match kind {
             AttentionKind::Dense => Box::new(Dense),
             AttentionKind::Topk => Box::new(Topk::new(self.topk_pages)),
+            AttentionKind::Resa => Box::new(Resa::new(resa::Params::default())),
             AttentionKind::Certified => {
                 let params =
                     Params { eps: self.epsilon, delta: self.delta, measure: self.measure, grid: Grid::default() };
@@ -70,10 +74,17 @@ impl PolicyArgs {
 pub struct AttentionArgs {
     /// Attention on decoding steps: dense reads every key; certified estimates attention from a
     /// sample of keys with an error bound (--eps, --delta, --measure); topk reads the --topk-pages
-    /// pages of largest score bounds. Sparse policies read sparsely only where a step sees 1024
-    /// positions or more (so Gemma 3's sliding layers stay dense)
+    /// pages of largest score bounds; resa reads the blocks of 16 keys with the largest min/max
+    /// bounds for the mean query of each KV head's query heads (10% of the blocks, at least 16,
+    /// and the newest). Sparse policies read sparsely only where a step sees 1024 positions or
+    /// more (so Gemma 3's sliding layers stay dense)
     #[arg(long = "attn", default_value = "dense")]
     pub kind: AttentionKind,
+    /// Every F decoded tokens, run the last F again densely in one batch and overwrite the keys
+    /// and values sparse attention wrote for them, so that its errors do not compound (0: never).
+    /// Default 32 for a sparse policy, 0 for dense; at most 512
+    #[arg(long = "rectify-every", value_name = "F")]
+    pub rectify_every: Option<usize>,
     #[command(flatten)]
     pub settings: PolicyArgs,
 }
@@ -82,5 +93,23 @@ impl AttentionArgs {
     /// The policy asked for, perturbed from `seed`; audited if `audit`.
     pub fn policy(&self, seed: u64, audit: bool) -> Result<Box<dyn AttentionPolicy>, Usage> {
         self.settings.policy(self.kind, seed, audit)
+    }
+
+    /// How the policy's sessions rectify; measuring the drift if `audit`.
+    pub fn rectify(&self, audit: bool) -> Result<Rectify, Usage> {
+        let every = rectify_every(self.rectify_every, self.kind)?;
+        Ok(Rectify { every, measure_drift: audit && every > 0 })
+    }
+}
+
+/// `--rectify-every` for `kind`, given or by default.
+pub fn rectify_every(given: Option<usize>, kind: AttentionKind) -> Result<usize, Usage> {
+    match given {
+        Some(every) if every > DEFAULT_BATCH => {
+            Err(Usage(format!("--rectify-every must be at most one batch of {DEFAULT_BATCH} tokens, not {every}")))
+        }
+        Some(every) => Ok(every),
+        None if kind == AttentionKind::Dense => Ok(0),
+        None => Ok(DEFAULT_EVERY),
     }
 }

@@ -5,7 +5,11 @@
 //! at random from the vocabulary, after a BOS. Every test runs with each KV
 //! cache mode and each attention policy asked for; the table says what each
 //! mode stores per token, and, for generation, how many keys and bytes the
-//! attention of a decoding step read (all layers and heads together).
+//! attention of a decoding step read (all layers and heads together). A
+//! sparse policy's generation tests rectify every `--rectify-every` tokens
+//! (each value given is a test of its own; by default 32 for a sparse
+//! policy, off for dense), and say what share of the decode time the dense
+//! rectification passes took.
 
 use std::time::Instant;
 
@@ -17,9 +21,10 @@ use sift::engine::{Session, DEFAULT_BATCH};
 use sift::kv::{KvMode, Storage};
 use sift::model::Model;
 
-use super::attn::PolicyArgs;
+use super::attn::{rectify_every, PolicyArgs};
 use super::{GpuArgs, ModelArgs};
 use sift::gpu::on_demand::{self, GpuMode};
+use sift::rectify::Rectify;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -45,13 +50,18 @@ pub struct BenchArgs {
     attns: Vec<AttentionKind>,
     #[command(flatten)]
     policy: PolicyArgs,
+    /// Rectification intervals to test with each sparse policy, comma-separated (0: off); see
+    /// `sift run --help`. Default 32 for a sparse policy, 0 for dense
+    #[arg(long = "rectify-every", value_name = "F", value_delimiter = ',')]
+    rectify_every: Vec<usize>,
     /// Dot f32 activations with weights dequantized to f32 instead of 8-bit activations
     #[arg(long)]
     f32_activations: bool,
     #[command(flatten)]
     gpu: GpuArgs,
-    /// Print JSON rows {test, prefill, kv_cache, attn, kv_bytes_per_token, keys_per_step,
-    /// bytes_per_step, tokens_per_s, stddev, median, samples, ttft_ms} instead of a table
+    /// Print JSON rows {test, prefill, kv_cache, attn, rectify_every, kv_bytes_per_token,
+    /// keys_per_step, bytes_per_step, rectify_share, tokens_per_s, stddev, median, samples,
+    /// ttft_ms} instead of a table
     #[arg(long)]
     json: bool,
 }
@@ -66,6 +76,7 @@ struct Row {
     prefill: &'static str,
     kv_cache: String,
     attn: AttentionKind,
+    rectify_every: usize,
     kv_bytes_per_token: f64,
     /// Generation only: keys and cache bytes the attention of one decoding
     /// step read, all layers and heads together, over the last run's steps.
@@ -73,6 +84,10 @@ struct Row {
     keys_per_step: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     bytes_per_step: Option<f64>,
+    /// Generation only: the share of the decode time the rectification
+    /// passes took, over the last run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rectify_share: Option<f64>,
     tokens_per_s: f64,
     stddev: f64,
     median: f64,
@@ -82,12 +97,14 @@ struct Row {
     ttft_ms: Option<f64>,
 }
 
-/// Keys and bytes read by the decoding steps of a run.
+/// Keys and bytes read by the decoding steps of a run, and the time it
+/// spent rectifying.
 #[derive(Default, Clone, Copy)]
 struct Reads {
     steps: usize,
     keys: f64,
     bytes: f64,
+    rectify_share: f64,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -120,12 +137,24 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let on_gpu = |p: usize| gpu_prefill.as_ref().is_some_and(|g| g.takes_prompt(p));
 
     let mut rows = Vec::new();
+    // Dense attention has nothing to rectify: one test, without.
+    let intervals = |attn: AttentionKind| -> Result<Vec<usize>, super::Usage> {
+        if attn == AttentionKind::Dense || args.rectify_every.is_empty() {
+            return Ok(vec![rectify_every(None, attn)?]);
+        }
+        args.rectify_every.iter().map(|&every| rectify_every(Some(every), attn)).collect()
+    };
+    let mut tests = Vec::new();
     for (&mode, &attn) in args.kv_caches.iter().flat_map(|m| args.attns.iter().map(move |a| (m, a))) {
+        tests.extend(intervals(attn)?.into_iter().map(|every| (mode, attn, every)));
+    }
+    for (mode, attn, every) in tests {
         let storage = Storage { mode, ..Storage::default() };
         let per_token = model.cache_shape().bytes_per_token(mode);
         let session = |n_ctx| -> anyhow::Result<Session> {
             let policy = args.policy.policy(attn, PERTURBATION_SEED, false)?;
             let mut session = Session::with_policy(&model, n_ctx, DEFAULT_BATCH, storage, policy);
+            session.set_rectify(Rectify::every(every))?;
             if let Some(prefill) = &gpu_prefill {
                 session.set_prefill_backend(Box::new(prefill));
             }
@@ -134,6 +163,8 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let row = |test: String, samples, reads: Option<Reads>| Row {
             keys_per_step: reads.map(|r| r.keys / r.steps.max(1) as f64),
             bytes_per_step: reads.map(|r| r.bytes / r.steps.max(1) as f64),
+            rectify_share: reads.map(|r| r.rectify_share),
+            rectify_every: every,
             ..row(test, mode, attn, per_token, samples)
         };
         for &depth in &args.depths {
@@ -171,7 +202,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                         reads.keys += records.iter().map(|r| r.keys_read as f64).sum::<f64>();
                         reads.bytes += records.iter().map(|r| r.bytes_read).sum::<f64>();
                     }
-                    Ok(t.elapsed().as_secs_f64())
+                    let elapsed = t.elapsed().as_secs_f64();
+                    reads.rectify_share = session.rectify_stats().time.as_secs_f64() / elapsed;
+                    Ok(elapsed)
                 })?;
                 rows.push(row(format!("tg{n}{suffix}"), samples, Some(reads)));
             }
@@ -186,13 +219,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let gib = file.tensors().iter().map(|t| t.n_bytes).sum::<usize>() as f64 / (1u64 << 30) as f64;
     println!(
-        "| model | size | threads | isa | prefill | kv cache | attn | KV B/token | test | keys/step | MiB/step | t/s | median | TTFT ms |"
+        "| model | size | threads | isa | prefill | kv cache | attn | rectify | KV B/token | test | keys/step | MiB/step | rectify % | t/s | median | TTFT ms |"
     );
-    println!("| --- | ---: | ---: | --- | --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |");
+    println!(
+        "| --- | ---: | ---: | --- | --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"
+    );
     let or_dash = |x: Option<String>| x.unwrap_or_else(|| "-".into());
     for r in &rows {
         println!(
-            "| {} {} | {gib:.2} GiB | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {:.2} ± {:.2} | {:.2} | {} |",
+            "| {} {} | {gib:.2} GiB | {} | {} | {} | {} | {} | {} | {:.0} | {} | {} | {} | {} | {:.2} ± {:.2} | {:.2} | {} |",
             model.hp.arch.gguf_name(),
             model.hp.name,
             rayon::current_num_threads(),
@@ -200,10 +235,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             r.prefill,
             r.kv_cache,
             r.attn,
+            r.rectify_every,
             r.kv_bytes_per_token,
             r.test,
             or_dash(r.keys_per_step.map(|k| format!("{k:.0}"))),
             or_dash(r.bytes_per_step.map(|b| format!("{:.2}", b / (1u64 << 20) as f64))),
+            or_dash(r.rectify_share.map(|s| format!("{:.1}", 100.0 * s))),
             r.tokens_per_s,
             r.stddev,
             r.median,
@@ -236,8 +273,10 @@ fn row(test: String, mode: KvMode, attn: AttentionKind, kv_bytes_per_token: f64,
         kv_cache: mode.to_string(),
         attn,
         kv_bytes_per_token,
+        rectify_every: 0,
         keys_per_step: None,
         bytes_per_step: None,
+        rectify_share: None,
         tokens_per_s: mean,
         stddev: var.sqrt(),
         median,

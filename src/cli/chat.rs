@@ -23,6 +23,7 @@ use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation, Stats};
 use sift::generate::{Generated, Limits, Sampled, StopReason};
 use sift::model::Model;
+use sift::rectify::RectifyReport;
 use sift::tokenizer::Tokenizer;
 
 use super::{announce_template, context_size, AuditArgs, GenerationArgs, InputError, ModelArgs, Usage};
@@ -55,7 +56,7 @@ const HELP: &str = "\
 /system TEXT   set the system prompt; /system alone removes it
 /save FILE     write the conversation as JSON
 /load FILE     read a conversation saved with /save and prefill it
-/stats         prompt tokens prefilled (in all and per turn), cache fill, speeds
+/stats         prompt tokens prefilled (in all and per turn), cache fill, speeds, rectifications
 /prompt        the conversation as the chat template renders it
 /exit          leave (Ctrl-D too)
 ";
@@ -67,6 +68,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     // The sampling seed draws certified attention's perturbations too.
     let sampling = args.generation.sampling();
     let policy = args.generation.attention.policy(sampling.seed, args.audit.audit)?;
+    let rectify = args.generation.attention.rectify(args.audit.audit)?;
     let mut audit = args.audit.create()?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
@@ -95,8 +97,10 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         announce_template(&template);
     }
     let storage = args.generation.cache.storage();
+    let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling);
+    conversation.set_rectify(rectify)?;
     let mut chat = Chat {
-        conversation: Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling),
+        conversation,
         template,
         messages: Vec::new(),
         max_tokens: args.n_predict,
@@ -113,7 +117,10 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         chat.piped()?;
     }
     if let Some(audit) = chat.audit.take() {
-        audit.finish(&AuditSummary { tokens: chat.tokens, stop: None, turns: Some(chat.turns) })?;
+        let session = chat.conversation.session();
+        let rectify = session.rectify_settings();
+        let rectify = (rectify.every > 0).then(|| RectifyReport::of(rectify, session.rectify_stats()));
+        audit.finish(&AuditSummary { tokens: chat.tokens, stop: None, turns: Some(chat.turns), rectify })?;
     }
     Ok(())
 }
@@ -203,6 +210,22 @@ impl Chat<'_> {
                 last.decode_steps,
                 last.decode_tok_s(),
             );
+        }
+        let every = session.rectify_settings().every;
+        if every > 0 {
+            let rectified = session.rectify_stats();
+            text += &format!(
+                "rectification every {every} tokens: {} passes, {} tokens rewritten in all",
+                rectified.passes, rectified.tokens
+            );
+            if let Some(last) = last_reply {
+                text += &format!(
+                    "; last reply: {} passes, {:.1}% of decode time",
+                    last.rectifications,
+                    100.0 * last.rectify_share()
+                );
+            }
+            text.push('\n');
         }
         text
     }

@@ -15,6 +15,7 @@ use sift::audit::{AttentionRow, AuditHeader, AuditLog, AuditSummary};
 use sift::engine::{Session, DEFAULT_BATCH};
 use sift::model::Model;
 use sift::perplexity::{self, evaluate, Evaluation, KlReport, PerplexityReport, Progress, Scoring, Windows, TOP_K};
+use sift::rectify::RectifyReport;
 use sift::tokenizer::Tokenizer;
 
 use super::attn::AttentionArgs;
@@ -91,6 +92,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     // First, so that bad settings or an audit that cannot be written cost no model load.
     let audited = args.audit || args.audit_out.is_some();
     let policy = args.attention.policy(args.seed, audited)?;
+    let rectify = args.attention.rectify(audited)?;
     let mut audit_log = args.audit_out.as_deref().map(AuditLog::create).transpose()?;
     let paths = text_files(&args.files)?;
     let texts = paths.iter().map(|p| read_text(p)).collect::<anyhow::Result<Vec<_>>>()?;
@@ -115,6 +117,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     };
     let keep_top = if args.kl_base.is_some() && !args.kl { TOP_K } else { 0 };
     let mut session = Session::with_policy(&model, args.ctx, DEFAULT_BATCH, args.cache.storage(), policy);
+    session.set_rectify(rectify)?;
     args.gpu.attach(&model, &mut session)?;
     eprintln!(
         "sift: {} file(s), {} tokens, context {}, KV cache {}, attention {}",
@@ -176,16 +179,21 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
     let secs = started.elapsed().as_secs_f64();
     let overall = PerplexityReport::of(&all.scored, all.windows);
     if let Some(log) = audit_log {
-        log.finish(&AuditSummary { tokens: overall.tokens_scored, stop: None, turns: None })?;
+        let rectify = (rectify.every > 0).then(|| RectifyReport::of(rectify, session.rectify_stats()));
+        log.finish(&AuditSummary { tokens: overall.tokens_scored, stop: None, turns: None, rectify })?;
     }
     let kl = base.as_deref().and_then(|b| KlReport::of(&all.scored, b));
     let audit = audited.then(|| AuditTable::of(&checked, args.attention.settings.epsilon));
+    let rectified = (rectify.every > 0).then(|| RectifyReport::of(rectify, session.rectify_stats()));
     if args.json {
-        print_json(&overall, kl.as_ref(), audit.as_ref(), &books)?;
+        print_json(&overall, kl.as_ref(), audit.as_ref(), rectified.as_ref(), &books)?;
     } else {
         print_text(&overall, kl.as_ref(), &books);
         if let Some(audit) = &audit {
             println!("{audit}");
+        }
+        if let Some(rectified) = rectified.filter(|_| audited) {
+            println!("{rectified}");
         }
     }
     eprintln!(
@@ -266,12 +274,16 @@ fn print_json(
     overall: &PerplexityReport,
     kl: Option<&KlReport>,
     audit: Option<&AuditTable>,
+    rectified: Option<&RectifyReport>,
     books: &[Book],
 ) -> anyhow::Result<()> {
     let mut json = serde_json::to_value(overall)?;
     json["kl"] = serde_json::to_value(kl)?;
     if let Some(audit) = audit {
         json["audit"] = serde_json::to_value(audit)?;
+    }
+    if let Some(rectified) = rectified {
+        json["rectify"] = serde_json::to_value(rectified)?;
     }
     json["files"] = serde_json::to_value(books)?;
     println!("{}", serde_json::to_string(&json)?);

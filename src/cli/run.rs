@@ -10,6 +10,7 @@ use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation};
 use sift::generate::{Limits, Sampled};
 use sift::model::Model;
+use sift::rectify::RectifyReport;
 use sift::tokenizer::Tokenizer;
 
 use super::{announce_template, context_size, read_prompt, AuditArgs, GenerationArgs, ModelArgs};
@@ -56,6 +57,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // The sampling seed draws certified attention's perturbations too.
     let sampling = args.generation.sampling();
     let policy = args.generation.attention.policy(sampling.seed, args.audit.audit)?;
+    let rectify = args.generation.attention.rectify(args.audit.audit)?;
     let mut audit = args.audit.create()?;
     let prompt = read_prompt(args.prompt.as_deref())?;
     let file = args.model.open()?;
@@ -78,6 +80,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let storage = args.generation.cache.storage();
     let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
+    conversation.set_rectify(rectify)?;
     args.generation.gpu.attach(&model, conversation.session_mut())?;
     conversation.check_fits(&prompt_ids)?;
     if let Some(audit) = &mut audit {
@@ -121,7 +124,10 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         return Err(e.into());
     }
     if let Some(audit) = audit {
-        audit.finish(&AuditSummary { tokens: generated.tokens.len(), stop: Some(generated.stop), turns: None })?;
+        let session = conversation.session();
+        let rectify = (rectify.every > 0).then(|| RectifyReport::of(rectify, session.rectify_stats()));
+        let stop = Some(generated.stop);
+        audit.finish(&AuditSummary { tokens: generated.tokens.len(), stop, turns: None, rectify })?;
     }
     if args.json {
         writeln!(stdout, "{}", serde_json::to_string(&generated)?)?;

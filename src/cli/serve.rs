@@ -51,6 +51,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     // The sampling seed draws certified attention's perturbations too.
     let sampling = args.generation.sampling();
     let policy = args.generation.attention.policy(sampling.seed, false)?;
+    let rectify = args.generation.attention.rectify(false)?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
@@ -58,6 +59,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
     let storage = args.generation.cache.storage();
     let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
+    conversation.set_rectify(rectify)?;
     args.generation.gpu.attach(&model, conversation.session_mut())?;
     let listener = TcpListener::bind((args.host, args.port))
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;

@@ -13,9 +13,10 @@ pub mod page;
 pub mod quant;
 pub mod sketch;
 
-pub use page::{KeyCover, KvMode, PagedLayer, Rows, Storage};
+pub use page::{KeyCover, KvMode, PagedLayer, Rows, Settled, Storage};
 pub use sketch::{Bounds, KeySketch, PageKeys, ScanQuery, PAGE};
 
+#[derive(Clone)]
 pub struct KvCache {
     n_ctx: usize,
     mode: KvMode,
@@ -47,6 +48,10 @@ impl KvCache {
         self.mode
     }
 
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
     pub fn layer(&self, il: usize) -> &PagedLayer {
         &self.layers[il]
     }
@@ -58,6 +63,13 @@ impl KvCache {
     /// Every layer, to fill them in parallel.
     pub fn layers_mut(&mut self) -> &mut [PagedLayer] {
         &mut self.layers
+    }
+
+    /// Forgets positions from `len` on in every layer, so that they can be
+    /// stored anew; nothing changes unless every layer can.
+    pub fn truncate(&mut self, len: usize) -> Result<(), Settled> {
+        self.layers.iter().try_for_each(|layer| layer.check_truncate(len))?;
+        self.layers.iter_mut().try_for_each(|layer| layer.truncate(len))
     }
 
     /// Everything the cache allocated.

@@ -19,7 +19,11 @@
 //! can touch.
 //!
 //! Keys are stored after RoPE, rotated for the positions they were appended
-//! at, and never rewritten. A later context shift (dropping old tokens and
+//! at. The newest positions can be stored again ([`PagedLayer::truncate`],
+//! then [`PagedLayer::store`]) as long as they are exact, which a dense
+//! rectification of sparsely decoded tokens does ([`crate::rectify`]); a
+//! coded page is never re-coded, since its other tokens' exact rows are gone
+//! and coding their codes again would round them twice. A later context shift (dropping old tokens and
 //! renumbering the rest) would not re-rotate them, which would requantize
 //! coded pages: it would record per page how far its tokens were renumbered
 //! and rotate the *query* back by that much when scoring the page's keys.
@@ -143,6 +147,7 @@ impl Storage {
     }
 }
 
+#[derive(Clone)]
 pub struct PagedLayer {
     mode: KvMode,
     n_kv_head: usize,
@@ -259,6 +264,39 @@ impl PagedLayer {
                 let keys = page_rows(&self.exact_k, self.exact_slots, h, slot, dk);
                 self.sketches[h * self.exact_slots + slot].fill(keys);
             }
+        }
+    }
+
+    /// The stored positions the layer still holds: all of them but those a
+    /// sliding window's ring has let go.
+    pub fn held(&self) -> Range<usize> {
+        (self.first_exact.saturating_sub(self.coded_slots) * PAGE).min(self.len)..self.len
+    }
+
+    /// The stored positions that can be stored again: those of the exact
+    /// pages (all of them in the f16 mode of a global layer; a sliding
+    /// window's ring and the quantized modes' residual hold the newest).
+    pub fn rewritable(&self) -> Range<usize> {
+        (self.first_exact * PAGE).min(self.len)..self.len
+    }
+
+    /// Forgets positions from `len` on, so that they can be stored anew:
+    /// the pages, sketches and value norms then hold what a cache that never
+    /// saw them would. Truncating to 0 empties the layer.
+    pub fn truncate(&mut self, len: usize) -> Result<(), Settled> {
+        self.check_truncate(len)?;
+        if len < self.len {
+            self.rewind(len);
+        }
+        Ok(())
+    }
+
+    /// Whether [`Self::truncate`] to `len` would succeed.
+    pub fn check_truncate(&self, len: usize) -> Result<(), Settled> {
+        let first = self.rewritable().start;
+        match len > 0 && len < first {
+            true => Err(Settled { pos: len, first }),
+            false => Ok(()),
         }
     }
 
@@ -517,6 +555,15 @@ impl PagedLayer {
         assert!(self.is_coded(page), "page {page} has left the cache");
         page % self.coded_slots
     }
+}
+
+/// A position that can no longer be stored anew: its page is coded, or has
+/// left a sliding window's ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("position {pos} is no longer exact in the cache (only positions from {first} on can be rewritten)")]
+pub struct Settled {
+    pub pos: usize,
+    pub first: usize,
 }
 
 /// A run of one head's keys, as [`PagedLayer::key_cover`] gives them.

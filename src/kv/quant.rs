@@ -140,6 +140,7 @@ pub fn unpack(row: &[u8], i: usize, bits: Bits) -> u8 {
 
 /// Rows of values, each quantized on its own in groups of [`VALUE_GROUP`]
 /// channels (KIVI quantizes values per token).
+#[derive(Clone)]
 pub struct ValueRows {
     dim: usize,
     bits: Bits,

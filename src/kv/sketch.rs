@@ -111,6 +111,7 @@ impl PageKeys {
 pub use simd::Bounds;
 
 /// One page of keys, sketched.
+#[derive(Clone)]
 pub struct KeySketch {
     dim: usize,
     keys: PageKeys,

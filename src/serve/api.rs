@@ -247,6 +247,10 @@ pub struct SiftExtension {
     pub attention: Certificate,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
+    /// Dense rectification passes of the reply (sparse policies), and their share of its decode
+    /// time.
+    pub rectifications: u64,
+    pub rectify_share: f64,
 }
 
 /// One position of a chat completion's `logprobs.content`.

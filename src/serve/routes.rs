@@ -216,6 +216,8 @@ fn extension(finished: &Finished) -> SiftExtension {
         attention: finished.attention,
         prefill_tok_s: finished.prefill_tok_s,
         decode_tok_s: finished.decode_tok_s,
+        rectifications: finished.rectifications,
+        rectify_share: finished.rectify_share,
     }
 }
 

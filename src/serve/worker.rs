@@ -64,6 +64,9 @@ pub struct Finished {
     pub attention: Certificate,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
+    /// Dense rectification passes of the reply, and their share of its decode time.
+    pub rectifications: u64,
+    pub rectify_share: f64,
 }
 
 /// The handlers' end of the queue.
@@ -161,6 +164,8 @@ impl<'m> Worker<'m> {
             attention,
             prefill_tok_s: generated.prefill_tok_s(),
             decode_tok_s: generated.decode_tok_s(),
+            rectifications: generated.rectifications,
+            rectify_share: generated.rectify_share(),
         }));
         Ok(())
     }
