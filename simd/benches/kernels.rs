@@ -17,6 +17,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
+use half::f16;
 use simd::{kernels, Bounds, SketchCodes, SketchLayout, SketchQuery, WeightType};
 
 #[path = "../tests/common/mod.rs"]
@@ -150,5 +151,47 @@ fn sketch_scan(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, dot_rows, memory_bandwidth, dot_tile, sketch_scan);
+fn attention(c: &mut Criterion) {
+    const PAGE: usize = 64;
+    const DIM: usize = 256;
+    const HEADS: usize = 4;
+    let k = kernels();
+    let mut rng = Rng::new(4);
+    let mut group = c.benchmark_group("attention");
+    configure(&mut group);
+    let halves = |n: usize, rng: &mut Rng| -> Vec<f16> { (0..n).map(|_| f16::from_f64(rng.normal())).collect() };
+    // Queries and probabilities hold f16 values, as attention rounds them.
+    let queries: Vec<f32> = halves(HEADS * DIM, &mut rng).iter().map(|h| h.to_f32() * 0.0625).collect();
+    // (name, positions, layers whose rows are taken in turn)
+    for (name, n, layers) in [("16384 cold", 16384, 8), ("512 warm", 512, 1)] {
+        let rows: Vec<(Vec<f16>, Vec<f16>)> =
+            (0..layers).map(|_| (halves(n * DIM, &mut rng), halves(n * DIM, &mut rng))).collect();
+        let mut scores = vec![0f32; HEADS * n];
+        let mut out = vec![0f32; HEADS * DIM];
+        let mut layer = 0;
+        group.throughput(Throughput::Bytes((2 * n * DIM * size_of::<f16>()) as u64));
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let (keys, values) = &rows[layer];
+                layer = (layer + 1) % layers;
+                for (p, keys) in keys.chunks_exact(PAGE * DIM).enumerate() {
+                    k.scores_f16(DIM, &queries, keys, &mut scores[p * PAGE..], n);
+                }
+                for scores in scores.chunks_exact_mut(n) {
+                    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                    let inv_sum = 1.0 / k.softmax_exp(scores, max);
+                    scores.iter_mut().for_each(|x| *x = f16::from_f32(*x * inv_sum).to_f32());
+                }
+                out.fill(0.0);
+                for (p, values) in values.chunks_exact(PAGE * DIM).enumerate() {
+                    k.add_weighted_f16(DIM, &scores[p * PAGE..], n, values, &mut out);
+                }
+                black_box(&out);
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, dot_rows, memory_bandwidth, dot_tile, sketch_scan, attention);
 criterion_main!(benches);

@@ -214,6 +214,35 @@ pub(crate) trait LaneRow: Copy {
     /// # Safety
     /// As [`Lanes`].
     unsafe fn tail<V: Lanes<L>, const L: usize>(self, j: usize) -> V;
+
+    /// Asks the caches for the bytes that hold numbers `j..j + n` of the row (a
+    /// hint: nothing is read).
+    fn prefetch(self, j: usize, n: usize);
+}
+
+/// Rows ahead of the one they read that the kernels prefetch.
+const AHEAD: usize = 8;
+
+/// Bytes between prefetches: a cache line.
+const PREFETCH_STRIDE: usize = 64;
+
+/// Asks the L2 cache for every line of `x`, which a kernel reads soon: the
+/// hardware prefetchers stop at each 4 KiB page, so a stream of rows from
+/// memory would otherwise wait on most of them. Into the L2, not the L1: the
+/// weighted sums keep a block of rows in the L1 while the next one arrives.
+#[inline(always)]
+fn prefetch<T>(x: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let start = x.as_ptr().cast::<i8>();
+        for at in (0..core::mem::size_of_val(x)).step_by(PREFETCH_STRIDE) {
+            // SAFETY: a prefetch reads nothing and cannot fault; the address lies in `x`.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(start.add(at)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
 }
 
 /// Rows of `dim` halves, end to end.
@@ -251,6 +280,11 @@ impl LaneRow for &[f16] {
     unsafe fn tail<V: Lanes<L>, const L: usize>(self, j: usize) -> V {
         // SAFETY: the caller's ISA guarantee is passed on.
         unsafe { V::load_f16(&pad(&self[j..], f16::ZERO)) }
+    }
+
+    #[inline(always)]
+    fn prefetch(self, j: usize, n: usize) {
+        prefetch(&self[j..j + n]);
     }
 }
 
@@ -391,6 +425,14 @@ impl<const BITS: u32, const FINE: bool, const SHARED: bool> LaneRow for CodeRow<
             Self::levels(c, min, step)
         }
     }
+
+    #[inline(always)]
+    fn prefetch(self, j: usize, n: usize) {
+        prefetch(&self.codes[j * BITS as usize / 8..(j + n) * BITS as usize / 8]);
+        if FINE {
+            prefetch(&self.fine[j / 2..(j + n) / 2]);
+        }
+    }
 }
 
 /// Calls `$group::<V, L, G, W>(args)` while `$left` heads remain, on groups
@@ -452,9 +494,12 @@ unsafe fn score_group<'a, V: Lanes<L>, const L: usize, const G: usize, const R: 
     outs: &mut impl Iterator<Item = &'a mut [f32]>,
 ) {
     let (qs, mut outs): ([&[f32]; G], [&mut [f32]; G]) = (next_group(queries), next_group(outs));
-    let n = outs[0].len();
+    let (n, dim) = (outs[0].len(), keys.dim());
     let mut j = 0;
     while j + R <= n {
+        for ahead in j + AHEAD..n.min(j + AHEAD + R) {
+            keys.row(ahead).prefetch(0, dim);
+        }
         let rows = core::array::from_fn(|r| keys.row(j + r));
         // SAFETY: the caller's ISA guarantee is passed on.
         let sums = unsafe { score_keys::<V, L, G, R>(qs, rows) };
@@ -629,11 +674,21 @@ unsafe fn add_weighted_group<'a, V: Lanes<L>, const L: usize, const G: usize, co
     for first in (0..n).step_by(VALUE_BLOCK) {
         let rows = first..n.min(first + VALUE_BLOCK);
         let block_weights = weights.map(|w| &w[rows.clone()]);
+        // The next block's rows are asked for while this one is in the caches, a
+        // few before each strip.
+        let mut next = rows.end..n.min(rows.end + VALUE_BLOCK);
+        let per_strip = VALUE_BLOCK.div_ceil(strips.max(1));
         let mut col = 0;
         for _ in 0..strips {
+            for r in next.by_ref().take(per_strip) {
+                values.row(r).prefetch(0, dim);
+            }
             // SAFETY: the caller's ISA guarantee is passed on.
             unsafe { add_weighted_strip::<V, L, G, C>(block_weights, values, first, col, &mut outs) };
             col += C * L;
+        }
+        for r in next {
+            values.row(r).prefetch(0, dim);
         }
         for _ in 0..narrow {
             // SAFETY: as above.

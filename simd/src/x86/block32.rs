@@ -297,14 +297,16 @@ impl<B: Block32> Tiles<TILE_ROWS, TILE_TOKENS> for Tiled<B> {
     }
 }
 
-/// Rows and tokens of the products in [`tile_group`].
+/// Tokens of the products in [`tile_group`], and the multiple of them that tiles are
+/// packed and computed in.
 const MICRO: usize = 4;
 
 /// [`row_group_add`] for a tile: adds blocks `b0 .. b0 + k` (`k ≤ 8`) of every (row, token)
 /// pair to the accumulators (the first group, `b0 == 0`, to zero), for the tokens
 /// whose blocks `tokens` holds, packed (a multiple of [`MICRO`] of them). The products
-/// run [`MICRO`] rows × [`MICRO`] tokens at a time, so that each vector loaded serves
-/// several.
+/// run a few rows × [`MICRO`] tokens at a time, so that each vector loaded serves
+/// several: 4 rows where the ISA has 32 vector registers, 2 where it has 16 (AVX2's
+/// two-instruction dot product then keeps its 8 sums and their operands in registers).
 #[inline(always)]
 unsafe fn tile_group<I: IsaOps, B: Block32>(
     xs: &[&[B]; TILE_ROWS],
@@ -313,9 +315,7 @@ unsafe fn tile_group<I: IsaOps, B: Block32>(
     k: usize,
     s: &mut Scratch,
 ) {
-    const M: usize = MICRO;
-    const { assert!(TILE_ROWS.is_multiple_of(M) && TILE_TOKENS.is_multiple_of(M)) };
-    // SAFETY: the caller guarantees the ISA.
+    // SAFETY (both arms): the caller guarantees the ISA.
     unsafe {
         for (row, x) in s.rows.iter_mut().zip(xs) {
             let x = &x[b0..b0 + k];
@@ -326,24 +326,40 @@ unsafe fn tile_group<I: IsaOps, B: Block32>(
             row.quants = transpose8x8(&p);
             (row.d, row.m) = weight_scales(x);
         }
-        for r0 in (0..TILE_ROWS).step_by(M) {
-            for t0 in (0..tokens.len()).step_by(M) {
-                let mut sums = [[_mm256_setzero_si256(); M]; M];
-                for i in 0..M {
-                    for j in 0..M {
+        if I::REGISTERS >= 32 {
+            tile_products::<I, B, 4>(tokens, b0, s);
+        } else {
+            tile_products::<I, B, 2>(tokens, b0, s);
+        }
+    }
+}
+
+/// The products of [`tile_group`], `MR` rows × [`MICRO`] tokens at a time, with the
+/// rows' groups prepared in `s`.
+#[inline(always)]
+unsafe fn tile_products<I: IsaOps, B: Block32, const MR: usize>(tokens: &[Group], b0: usize, s: &mut Scratch) {
+    const MT: usize = MICRO;
+    const { assert!(TILE_ROWS.is_multiple_of(MR) && TILE_TOKENS.is_multiple_of(MT)) };
+    // SAFETY: the caller guarantees the ISA.
+    unsafe {
+        for r0 in (0..TILE_ROWS).step_by(MR) {
+            for t0 in (0..tokens.len()).step_by(MT) {
+                let mut sums = [[_mm256_setzero_si256(); MT]; MR];
+                for i in 0..MR {
+                    for j in 0..MT {
                         sums[i][j] = tokens[t0 + j].start;
                     }
                 }
                 for m in 0..8 {
-                    for j in 0..M {
+                    for j in 0..MT {
                         let y = tokens[t0 + j].quants[m];
-                        for i in 0..M {
+                        for i in 0..MR {
                             sums[i][j] = B::dp_prepared::<I>(sums[i][j], s.rows[r0 + i].quants[m], y);
                         }
                     }
                 }
-                for i in 0..M {
-                    for j in 0..M {
+                for i in 0..MR {
+                    for j in 0..MT {
                         let (row, token) = (&s.rows[r0 + i], &tokens[t0 + j]);
                         let v = block_values::<B>((row.d, row.m), (token.d, token.m), sums[i][j]);
                         let acc = &mut s.acc[r0 + i][t0 + j];

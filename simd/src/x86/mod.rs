@@ -60,6 +60,10 @@ pub(crate) mod tile;
 pub(crate) trait IsaOps {
     /// Whether [`IsaOps::dp`] is exact for every unsigned byte `u`.
     const BYTE_DP: bool;
+    /// Vector registers the ISA's instructions can name: 16 for the VEX encodings
+    /// (AVX2, AVX-VNNI), 32 for AVX-512's. The tile kernels size their blocks of
+    /// accumulators by it.
+    const REGISTERS: usize;
 
     /// `acc + Σ u·s` over each group of four bytes (`u` unsigned, `s` signed), one i32
     /// lane per group. Exact as long as `u₀s₀ + u₁s₁` fits in an i16 (AVX2 saturates
@@ -94,6 +98,7 @@ pub(crate) struct Avx512;
 
 impl IsaOps for Avx2 {
     const BYTE_DP: bool = false;
+    const REGISTERS: usize = 16;
 
     #[inline(always)]
     unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
@@ -119,6 +124,7 @@ impl IsaOps for Avx2 {
 
 impl IsaOps for AvxVnni {
     const BYTE_DP: bool = true;
+    const REGISTERS: usize = 16;
 
     #[inline(always)]
     unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
@@ -141,6 +147,7 @@ impl IsaOps for AvxVnni {
 
 impl IsaOps for Avx512 {
     const BYTE_DP: bool = true;
+    const REGISTERS: usize = 32;
 
     #[inline(always)]
     unsafe fn dp(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {

@@ -26,6 +26,8 @@ const TILE_ROWS: usize = crate::dispatch::TILE_ROWS;
 const TILE_TOKENS: usize = 64;
 /// Tokens per f32 vector: the tokens are handled in groups of this many.
 const LANES: usize = 8;
+/// Groups of [`LANES`] tokens in a tile.
+const GROUPS: usize = TILE_TOKENS / LANES;
 
 /// A super-block unpacked once for all tokens of a tile.
 #[derive(Clone, Copy, bytemuck::Zeroable)]
@@ -126,8 +128,8 @@ impl<K: SuperBlock> Tiles<TILE_ROWS, TILE_TOKENS> for Tiled<K> {
         }
     }
 
-    /// Rows go two at a time, so that each activation vector loaded serves both, and
-    /// tokens eight at a time (the packed tokens past `tokens` fill the last eight).
+    /// Rows go a few at a time ([`add_superblock`]), tokens eight at a time (the
+    /// packed tokens past `tokens` fill the last eight).
     #[inline(always)]
     unsafe fn tile<I: IsaOps>(
         xs: [&[K]; TILE_ROWS],
@@ -135,43 +137,16 @@ impl<K: SuperBlock> Tiles<TILE_ROWS, TILE_TOKENS> for Tiled<K> {
         tokens: usize,
         _: &mut (),
     ) -> [[f32; TILE_TOKENS]; TILE_ROWS] {
-        const PAIR: usize = 2;
-        const { assert!(TILE_ROWS.is_multiple_of(PAIR) && TILE_TOKENS.is_multiple_of(LANES)) };
-        const GROUPS: usize = TILE_TOKENS / LANES;
+        const { assert!(TILE_TOKENS.is_multiple_of(LANES)) };
         // SAFETY: the caller guarantees the ISA.
         unsafe {
             let mut acc = [[_mm256_setzero_ps(); GROUPS]; TILE_ROWS];
             for i in 0..xs[0].len() {
                 let packed_tokens = &packed[i * TILE_TOKENS..][..TILE_TOKENS];
-                for r0 in (0..TILE_ROWS).step_by(PAIR) {
-                    let mut p: [Prepared; PAIR] = bytemuck::Zeroable::zeroed();
-                    let mut q = [[_mm256_setzero_si256(); 8]; PAIR];
-                    for k in 0..PAIR {
-                        p[k] = xs[r0 + k][i].prepare();
-                        q[k] = transpose8x8(&p[k].q);
-                    }
-                    for h in 0..tokens.div_ceil(LANES) {
-                        let tokens = &packed_tokens[LANES * h..][..LANES];
-                        let v = scaled_sums::<I, K, PAIR>(&p, &q, tokens);
-                        let mut dy = [0f32; LANES];
-                        for t in 0..LANES {
-                            dy[t] = tokens[t].d[0];
-                        }
-                        let dy: __m256 = bytemuck::cast(dy);
-                        for k in 0..PAIR {
-                            let xb = &xs[r0 + k][i];
-                            let (sums, mins) = &v[k];
-                            // As `dot`: acc + ((dx·dy)·sumi − (dminx·dy)·summ), or
-                            // acc + (dx·dy)·sumi.
-                            let d = _mm256_mul_ps(_mm256_set1_ps(xb.d()), dy);
-                            let mut v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(reduce8x8(sums)));
-                            if K::WITH_MIN {
-                                let dm = _mm256_mul_ps(_mm256_set1_ps(xb.dmin()), dy);
-                                v = _mm256_sub_ps(v, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(reduce8x8(mins))));
-                            }
-                            acc[r0 + k][h] = _mm256_add_ps(acc[r0 + k][h], v);
-                        }
-                    }
+                if I::REGISTERS >= 32 {
+                    add_superblock::<I, K, 2>(&xs, i, packed_tokens, tokens, &mut acc);
+                } else {
+                    add_superblock::<I, K, 1>(&xs, i, packed_tokens, tokens, &mut acc);
                 }
             }
             let mut out = [[0f32; TILE_TOKENS]; TILE_ROWS];
@@ -181,6 +156,57 @@ impl<K: SuperBlock> Tiles<TILE_ROWS, TILE_TOKENS> for Tiled<K> {
                 }
             }
             out
+        }
+    }
+}
+
+/// Adds super-block `i` of every row of a tile to the accumulators `acc` (row `r`,
+/// tokens `LANES · h ..` in `acc[r][h]`), `P` rows at a time, so that each activation
+/// vector loaded serves them all: 2 where the ISA has 32 vector registers, 1 where it
+/// has 16 (the `P · LANES` dot products' sums stay in registers).
+///
+/// # Safety
+/// The CPU must support `I`; as [`Tiles::tile`].
+#[inline(always)]
+unsafe fn add_superblock<I: IsaOps, K: SuperBlock, const P: usize>(
+    xs: &[&[K]; TILE_ROWS],
+    i: usize,
+    packed_tokens: &[Packed],
+    tokens: usize,
+    acc: &mut [[__m256; GROUPS]; TILE_ROWS],
+) {
+    const { assert!(TILE_ROWS.is_multiple_of(P)) };
+    // SAFETY: the caller guarantees the ISA.
+    unsafe {
+        for r0 in (0..TILE_ROWS).step_by(P) {
+            let mut p = [<Prepared as bytemuck::Zeroable>::zeroed(); P];
+            let mut q = [[_mm256_setzero_si256(); 8]; P];
+            for k in 0..P {
+                p[k] = xs[r0 + k][i].prepare();
+                q[k] = transpose8x8(&p[k].q);
+            }
+            for h in 0..tokens.div_ceil(LANES) {
+                let tokens = &packed_tokens[LANES * h..][..LANES];
+                let v = scaled_sums::<I, K, P>(&p, &q, tokens);
+                let mut dy = [0f32; LANES];
+                for t in 0..LANES {
+                    dy[t] = tokens[t].d[0];
+                }
+                let dy: __m256 = bytemuck::cast(dy);
+                for k in 0..P {
+                    let xb = &xs[r0 + k][i];
+                    let (sums, mins) = &v[k];
+                    // As `dot`: acc + ((dx·dy)·sumi − (dminx·dy)·summ), or
+                    // acc + (dx·dy)·sumi.
+                    let d = _mm256_mul_ps(_mm256_set1_ps(xb.d()), dy);
+                    let mut v = _mm256_mul_ps(d, _mm256_cvtepi32_ps(reduce8x8(sums)));
+                    if K::WITH_MIN {
+                        let dm = _mm256_mul_ps(_mm256_set1_ps(xb.dmin()), dy);
+                        v = _mm256_sub_ps(v, _mm256_mul_ps(dm, _mm256_cvtepi32_ps(reduce8x8(mins))));
+                    }
+                    acc[r0 + k][h] = _mm256_add_ps(acc[r0 + k][h], v);
+                }
+            }
         }
     }
 }
