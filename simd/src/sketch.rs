@@ -151,17 +151,19 @@ pub(crate) trait BlockDots {
 const BLOCK: usize = 64;
 
 /// Calls `emit(query, dots, out)` for every query with its integer dots
-/// against every row of `codes` and its own `rows`-long part of `out`,
-/// a block of rows at a time.
+/// against rows `row_of(0..rows)` of `codes` and its own `rows`-long part of
+/// `out`, a block of rows at a time.
 ///
 /// # Safety
 /// As [`BlockDots::dots`]; the caller has checked the layout, the number of
-/// weights of every query, and that `out` holds `rows` items per query.
+/// weights of every query, that every `row_of(k)` is a row of `codes`, and
+/// that `out` holds `rows` items per query.
 #[inline(always)]
 unsafe fn scan<D: BlockDots, T>(
     codes: &SketchCodes,
     queries: &[SketchQuery],
     rows: usize,
+    row_of: impl Fn(usize) -> usize + Copy,
     out: &mut [T],
     emit: impl Fn(&SketchQuery, &[i32], &mut [T]) + Copy,
 ) {
@@ -173,12 +175,12 @@ unsafe fn scan<D: BlockDots, T>(
     loop {
         match (queries.len(), codes.layout.bits) {
             (0, _) => break,
-            (1, 4) => unsafe { scan_group::<D, T, 4, 1, 8>(codes, &mut queries, rows, emit) },
-            (2 | 3, 4) => unsafe { scan_group::<D, T, 4, 2, 4>(codes, &mut queries, rows, emit) },
-            (_, 4) => unsafe { scan_group::<D, T, 4, 4, 2>(codes, &mut queries, rows, emit) },
-            (1, _) => unsafe { scan_group::<D, T, 2, 1, 8>(codes, &mut queries, rows, emit) },
-            (2 | 3, _) => unsafe { scan_group::<D, T, 2, 2, 4>(codes, &mut queries, rows, emit) },
-            (_, _) => unsafe { scan_group::<D, T, 2, 4, 2>(codes, &mut queries, rows, emit) },
+            (1, 4) => unsafe { scan_group::<D, T, 4, 1, 8>(codes, &mut queries, rows, row_of, emit) },
+            (2 | 3, 4) => unsafe { scan_group::<D, T, 4, 2, 4>(codes, &mut queries, rows, row_of, emit) },
+            (_, 4) => unsafe { scan_group::<D, T, 4, 4, 2>(codes, &mut queries, rows, row_of, emit) },
+            (1, _) => unsafe { scan_group::<D, T, 2, 1, 8>(codes, &mut queries, rows, row_of, emit) },
+            (2 | 3, _) => unsafe { scan_group::<D, T, 2, 2, 4>(codes, &mut queries, rows, row_of, emit) },
+            (_, _) => unsafe { scan_group::<D, T, 2, 4, 2>(codes, &mut queries, rows, row_of, emit) },
         }
     }
 }
@@ -192,6 +194,7 @@ unsafe fn scan_group<'a, 'q: 'a, D: BlockDots, T: 'a, const BITS: u32, const G: 
     codes: &SketchCodes,
     queries: &mut impl Iterator<Item = (&'a SketchQuery<'q>, &'a mut [T])>,
     rows: usize,
+    row_of: impl Fn(usize) -> usize,
     emit: impl Fn(&SketchQuery, &[i32], &mut [T]),
 ) {
     let mut group: [_; G] = core::array::from_fn(|_| queries.next().expect("a whole group is left"));
@@ -201,7 +204,7 @@ unsafe fn scan_group<'a, 'q: 'a, D: BlockDots, T: 'a, const BITS: u32, const G: 
         let mut dots = [[0i32; BLOCK]; G];
         for j in block.clone().step_by(R) {
             // Past the last row, the block repeats it (and drops its dots).
-            let at = core::array::from_fn(|r| (j + r).min(rows - 1));
+            let at = core::array::from_fn(|r| row_of((j + r).min(rows - 1)));
             // SAFETY: the caller's guarantees are passed on; every row is in bounds.
             let block_dots = unsafe { D::dots::<BITS, G, R>(codes, weights, at) };
             for (dots, block_dots) in dots.iter_mut().zip(block_dots) {
@@ -225,7 +228,24 @@ unsafe fn scan_group<'a, 'q: 'a, D: BlockDots, T: 'a, const BITS: u32, const G: 
 pub(crate) unsafe fn scan_dots<D: BlockDots>(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]) {
     let rows = out.len() / queries.len().max(1);
     // SAFETY: the caller's guarantees are passed on.
-    unsafe { scan::<D, i32>(codes, queries, rows, out, |_, dots, out| out.copy_from_slice(dots)) }
+    unsafe { scan::<D, i32>(codes, queries, rows, |r| r, out, |_, dots, out| out.copy_from_slice(dots)) }
+}
+
+/// The integer dots of every query with rows `rows` of `codes` into `out`,
+/// query after query.
+///
+/// # Safety
+/// As [`scan`]; every row listed is a row of `codes`.
+#[inline(always)]
+pub(crate) unsafe fn scan_dots_at<D: BlockDots>(
+    codes: &SketchCodes,
+    queries: &[SketchQuery],
+    rows: &[u32],
+    out: &mut [i32],
+) {
+    let copy = |_: &SketchQuery, dots: &[i32], out: &mut [i32]| out.copy_from_slice(dots);
+    // SAFETY: the caller's guarantees are passed on.
+    unsafe { scan::<D, i32>(codes, queries, rows.len(), |k| rows[k] as usize, out, copy) }
 }
 
 /// The bounds of every query's score with every row into `out`, query after
@@ -242,7 +262,7 @@ pub(crate) unsafe fn scan_bounds<D: BlockDots>(codes: &SketchCodes, queries: &[S
         }
     };
     // SAFETY: the caller's guarantees are passed on.
-    unsafe { scan::<D, Bounds>(codes, queries, rows, out, emit) }
+    unsafe { scan::<D, Bounds>(codes, queries, rows, |r| r, out, emit) }
 }
 
 /// The portable table's integer dots: plain loops.
@@ -275,6 +295,21 @@ impl BlockDots for Portable {
     }
 }
 
+/// Appends to `out[n..]` the indices `first + i` of the `values[i]` at or
+/// above `threshold`; returns the new count. A store per number and a count
+/// that grows by the comparison: no branch to mispredict.
+#[inline(always)]
+pub(crate) fn select_rest(values: &[f32], first: usize, threshold: f32, out: &mut [u32], mut n: usize) -> usize {
+    for (i, &v) in values.iter().enumerate() {
+        // The slot past the last selected may be written and then left.
+        if let Some(slot) = out.get_mut(n) {
+            *slot = (first + i) as u32;
+        }
+        n += usize::from(v >= threshold);
+    }
+    n
+}
+
 /// The portable table's entries.
 pub(crate) mod portable {
     use super::*;
@@ -283,6 +318,17 @@ pub(crate) mod portable {
     pub(crate) fn dots(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]) {
         // SAFETY: `Portable` uses no ISA-specific instructions.
         unsafe { scan_dots::<Portable>(codes, queries, out) }
+    }
+
+    /// Table entry: [`scan_dots_at`] (lengths and rows checked by the caller).
+    pub(crate) fn dots_at(codes: &SketchCodes, queries: &[SketchQuery], rows: &[u32], out: &mut [i32]) {
+        // SAFETY: as above.
+        unsafe { scan_dots_at::<Portable>(codes, queries, rows, out) }
+    }
+
+    /// Table entry: [`super::select_rest`] over every number.
+    pub(crate) fn select(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+        select_rest(values, 0, threshold, out, 0)
     }
 
     /// Table entry: [`scan_bounds`] (lengths checked by the caller).
@@ -307,6 +353,35 @@ impl Kernels {
         unsafe { (self.sketch.dots)(codes, queries, out) }
     }
 
+    /// `out[h · n + k] = Σ_c â_hc · h_{rows[k], c}`: [`Kernels::sketch_dots`]
+    /// at the `n` rows listed (in any order, repeats allowed), as the
+    /// refinement of a few candidate keys reads them.
+    ///
+    /// # Panics
+    /// As [`Kernels::sketch_dots`], and if a row listed is not one of the codes'.
+    pub fn sketch_dots_at(&self, codes: &SketchCodes, queries: &[SketchQuery], rows: &[u32], out: &mut [i32]) {
+        let n = codes.rows();
+        assert!(rows.iter().all(|&r| (r as usize) < n), "a row listed is past the {n} rows");
+        check_queries(codes, queries);
+        assert_eq!(out.len(), rows.len() * queries.len(), "{} queries by {} rows", queries.len(), rows.len());
+        // SAFETY: lengths and rows checked above; the table's ISA is supported (see `dispatch`).
+        unsafe { (self.sketch.dots_at)(codes, queries, rows, out) }
+    }
+
+    /// Writes to `out` the indices `i`, ascending, of the `values[i] ≥
+    /// threshold` (NaN never is), and returns how many: the keys of a pool
+    /// whose perturbed score bound reaches a level's threshold.
+    ///
+    /// # Panics
+    /// If `out` holds fewer than `values.len()` items, or there are `2^32`
+    /// values or more.
+    pub fn select_at_least(&self, values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+        assert!(out.len() >= values.len(), "room for {} indices, not {}", values.len(), out.len());
+        assert!(u32::try_from(values.len()).is_ok(), "{} values are too many to index", values.len());
+        // SAFETY: `out` checked above; the table's ISA is supported (see `dispatch`).
+        unsafe { (self.sketch.select)(values, threshold, out) }
+    }
+
     /// `out[h · n + i]` = query `h`'s [`SketchQuery::bounds`] of its integer
     /// dot with row `i` (as [`Kernels::sketch_dots`] gives it), for the
     /// queries of one KV head, which read each row once for all of them.
@@ -323,7 +398,12 @@ impl Kernels {
 #[track_caller]
 fn check_scan(codes: &SketchCodes, queries: &[SketchQuery], out: usize) {
     let rows = codes.rows();
+    check_queries(codes, queries);
+    assert_eq!(out, rows * queries.len(), "{} queries by {rows} rows", queries.len());
+}
+
+#[track_caller]
+fn check_queries(codes: &SketchCodes, queries: &[SketchQuery]) {
     let weights = codes.layout.weights_len();
     assert!(queries.iter().all(|q| q.weights.len() == weights), "every query needs {weights} weights");
-    assert_eq!(out, rows * queries.len(), "{} queries by {rows} rows", queries.len());
 }

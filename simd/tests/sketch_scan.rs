@@ -75,6 +75,38 @@ fn check_scan(seed: u64, dim: usize, bits: u32, rows: usize, heads: usize) -> Re
         k.sketch_scan(&sketch, &queries, &mut bounds);
         let bits_of = |b: &[Bounds]| b.iter().map(|b| (b.lower.to_bits(), b.upper.to_bits())).collect::<Vec<_>>();
         prop_assert_eq!(bits_of(&bounds), bits_of(&want_bounds), "bounds on {}", isa);
+        if rows > 0 {
+            // Listed rows, in any order and repeated, as a refinement reads them.
+            let listed: Vec<u32> = (0..rows + 5).map(|_| rng.below(rows) as u32).collect();
+            let want_at: Vec<i32> = (0..heads)
+                .flat_map(|h| listed.iter().map(|&r| want[h * rows + r as usize]).collect::<Vec<_>>())
+                .collect();
+            let mut at = vec![i32::MIN; heads * listed.len()];
+            k.sketch_dots_at(&sketch, &queries, &listed, &mut at);
+            prop_assert_eq!(&at, &want_at, "listed rows on {}", isa);
+        }
+    }
+    Ok(())
+}
+
+/// The selection on every ISA against a plain filter: random numbers, some
+/// equal to the threshold, infinities and NaN among them, every length up to
+/// a few vectors past a block.
+fn check_select(seed: u64, len: usize) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    let threshold = rng.normal() as f32;
+    let values: Vec<f32> = (0..len)
+        .map(|_| match rng.below(10) {
+            0 => threshold,
+            1 => [f32::NEG_INFINITY, f32::INFINITY, f32::NAN][rng.below(3)],
+            _ => (rng.normal() + 1.0) as f32,
+        })
+        .collect();
+    let want: Vec<u32> = (0..len as u32).filter(|&i| values[i as usize] >= threshold).collect();
+    for isa in Isa::available() {
+        let mut out = vec![u32::MAX; len];
+        let n = Kernels::for_isa(isa).unwrap().select_at_least(&values, threshold, &mut out);
+        prop_assert_eq!(&out[..n], &want[..], "selection on {} of {} numbers", isa, len);
     }
     Ok(())
 }
@@ -91,6 +123,15 @@ proptest! {
         heads in 1usize..=7,
     ) {
         check_scan(seed, dim, bits, rows, heads)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn every_isa_selects_as_a_filter(seed in any::<u64>(), len in 0usize..200) {
+        check_select(seed, len)?;
     }
 }
 

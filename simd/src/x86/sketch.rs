@@ -127,6 +127,14 @@ macro_rules! sketch_entries {
             }
 
             /// # Safety
+            /// The CPU must support the features; lengths and rows as `Kernels::sketch_dots_at` checks.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn dots_at(codes: &SketchCodes, queries: &[SketchQuery], rows: &[u32], out: &mut [i32]) {
+                // SAFETY: this function enables the features.
+                unsafe { crate::sketch::scan_dots_at::<$I>(codes, queries, rows, out) }
+            }
+
+            /// # Safety
             /// The CPU must support the features; lengths as `Kernels::sketch_scan` checks.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn bounds(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [Bounds]) {
@@ -142,11 +150,86 @@ sketch_entries!(avx2, Avx2, "avx2,fma,f16c");
 sketch_entries!(avxvnni, AvxVnni, "avx2,fma,f16c,avxvnni");
 sketch_entries!(avx512, Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
 
+/// `Kernels::select_at_least` on AVX2: eight comparisons a vector, their
+/// mask's set bits written out one by one (the keys selected are few).
+///
+/// # Safety
+/// The CPU must support AVX2; `out` holds at least `values.len()` items.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn select_at_least_avx2(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+    let (chunks, rest) = values.as_chunks::<8>();
+    let t = _mm256_set1_ps(threshold);
+    let mut n = 0;
+    for (c, chunk) in chunks.iter().enumerate() {
+        // SAFETY: the chunk holds the eight numbers loaded.
+        let v = unsafe { _mm256_loadu_ps(chunk.as_ptr()) };
+        let mut mask = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(v, t)) as u32;
+        while mask != 0 {
+            out[n] = (c * 8) as u32 + mask.trailing_zeros();
+            n += 1;
+            mask &= mask - 1;
+        }
+    }
+    crate::sketch::select_rest(rest, values.len() - rest.len(), threshold, out, n)
+}
+
+/// `Kernels::select_at_least` on AVX-512: sixteen comparisons a vector, the
+/// selected indices compressed in a register and stored whole (a store to
+/// memory under a compress mask is slow on Zen 4); the store's spare lanes
+/// land on items that later ones overwrite, or past the count.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `out` holds at least `values.len()` items.
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn select_at_least_avx512(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+    let (chunks, rest) = values.as_chunks::<16>();
+    let t = _mm512_set1_ps(threshold);
+    let sixteen = _mm512_set1_epi32(16);
+    let mut index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let mut n = 0;
+    for chunk in chunks {
+        // SAFETY: the chunk holds the sixteen numbers loaded.
+        let v = unsafe { _mm512_loadu_ps(chunk.as_ptr()) };
+        let mask = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(v, t);
+        if mask != 0 {
+            // SAFETY: `n` is at most the chunk's first index, so the sixteen
+            // items stored lie within `out`, which holds `values.len()`.
+            unsafe {
+                _mm512_storeu_epi32(out[n..n + 16].as_mut_ptr().cast(), _mm512_maskz_compress_epi32(mask, index))
+            };
+            n += mask.count_ones() as usize;
+        }
+        index = _mm512_add_epi32(index, sixteen);
+    }
+    crate::sketch::select_rest(rest, values.len() - rest.len(), threshold, out, n)
+}
+
+/// Table entry over [`select_at_least_avx2`].
+///
+/// # Safety
+/// As [`select_at_least_avx2`].
+unsafe fn select_avx2(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+    // SAFETY: passed on.
+    unsafe { select_at_least_avx2(values, threshold, out) }
+}
+
+/// Table entry over [`select_at_least_avx512`].
+///
+/// # Safety
+/// As [`select_at_least_avx512`].
+unsafe fn select_avx512(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+    // SAFETY: passed on.
+    unsafe { select_at_least_avx512(values, threshold, out) }
+}
+
 /// The AVX2 scan entries.
-pub(super) const AVX2: SketchKernels = SketchKernels { dots: avx2::dots, bounds: avx2::bounds };
+pub(super) const AVX2: SketchKernels =
+    SketchKernels { dots: avx2::dots, dots_at: avx2::dots_at, bounds: avx2::bounds, select: select_avx2 };
 
 /// The AVX-VNNI scan entries.
-pub(super) const AVXVNNI: SketchKernels = SketchKernels { dots: avxvnni::dots, bounds: avxvnni::bounds };
+pub(super) const AVXVNNI: SketchKernels =
+    SketchKernels { dots: avxvnni::dots, dots_at: avxvnni::dots_at, bounds: avxvnni::bounds, select: select_avx2 };
 
 /// The AVX-512 VNNI scan entries.
-pub(super) const AVX512: SketchKernels = SketchKernels { dots: avx512::dots, bounds: avx512::bounds };
+pub(super) const AVX512: SketchKernels =
+    SketchKernels { dots: avx512::dots, dots_at: avx512::dots_at, bounds: avx512::bounds, select: select_avx512 };
