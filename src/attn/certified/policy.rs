@@ -18,7 +18,7 @@
 
 use rayon::prelude::*;
 
-use super::candidates::{CacheHead, GroupScan, SharedScores};
+use super::candidates::{CacheHead, GroupReads, GroupScan};
 use super::head::{HeadAttention, HeadRecord as Driven, Params, Stop};
 use super::perturb::{PerturbationSeed, Perturbations};
 use crate::attn::dense::Dense;
@@ -37,7 +37,7 @@ pub struct CertifiedPolicy {
 struct Group {
     heads: HeadAttention,
     scan: GroupScan,
-    scores: SharedScores,
+    reads: GroupReads,
     records: Vec<HeadRecord>,
 }
 
@@ -69,10 +69,10 @@ impl Group {
         self.records.clear();
         let perturbations = Perturbations::new(seed, call.layer, kv_head, call.step);
         self.scan.scan(call, kv_head, &split, &perturbations);
-        self.scores.reset(self.scan.keys(&split), n_gqa);
+        self.reads.reset(self.scan.keys(&split), split.pool.len(), n_gqa);
         let scan_share = self.scan.scanned_bytes as f64 / n_gqa as f64;
         for (g, out) in out.chunks_exact_mut(dim_v).enumerate() {
-            let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, g, &mut self.scores);
+            let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, g, &mut self.reads);
             let driven = self.heads.attend(&mut keys, Stop::Certified, out);
             let read = keys.bytes.keys + keys.bytes.values;
             let mut record = record(certificate, call, kv_head * n_gqa + g, &split, &driven, read);
@@ -128,7 +128,7 @@ impl AttentionPolicy for CertifiedPolicy {
         self.groups.resize_with(batch.n_kv_head(), || Group {
             heads: HeadAttention::new(params),
             scan: GroupScan::default(),
-            scores: SharedScores::default(),
+            reads: GroupReads::default(),
             records: Vec::new(),
         });
         let (certificate, seed) = (&self.certificate, self.seed);
