@@ -36,7 +36,7 @@
 //! `α₂·Σ r̂_c·h8_ic` is one more pair of integer dots: the bound is
 //! `α·I8_i + α₂·J8_i + C8±`, `C8±` split by `255·Σ max(±ε_c, 0)`.
 //!
-//! The set-up runs in f32, each sum over the channels in 8 lanes (so it
+//! The set-up runs in f32, each sum over the channels in 4 lanes (so it
 //! vectorizes), with no division but one: `α = max|a_c|/127`, the weights
 //! `â_c = round(a_c/α)` by the add-and-subtract of `1.5·2^23`. The
 //! floating-point slack, all folded into `C±`:
@@ -289,36 +289,34 @@ impl KeySketch {
         let n = rows.len();
         let len = queries.len() * n;
         assert_eq!(out.len(), len, "a bound per query and row");
-        let refined = self.refines();
-        dots.clear();
-        dots.resize(if refined { 4 * len } else { len }, 0);
         let kernels = simd::kernels();
         let coarse = self.scan_codes(0..PAGE);
-        let weights: Vec<SketchQuery> = queries.iter().map(ScanQuery::view).collect();
-        kernels.sketch_dots_at(&coarse, &weights, rows, &mut dots[..len]);
-        if refined {
-            let fine = SketchCodes { layout: SketchLayout { dim: self.dim, bits: 4 }, codes: &self.fine };
-            let residuals: Vec<SketchQuery> = queries.iter().map(ScanQuery::residual_view).collect();
-            let (fine_dots, rest) = dots[len..].split_at_mut(len);
-            let (coarse_residual, fine_residual) = rest.split_at_mut(len);
-            kernels.sketch_dots_at(&fine, &weights, rows, fine_dots);
-            kernels.sketch_dots_at(&coarse, &residuals, rows, coarse_residual);
-            kernels.sketch_dots_at(&fine, &residuals, rows, fine_residual);
-        }
-        for (h, query) in queries.iter().enumerate() {
-            for k in h * n..(h + 1) * n {
-                let scanned = query.view().bounds(dots[k]);
-                out[k] = if refined {
-                    // The 8-bit code is the 4 scanned bits above the 4 fine ones.
-                    let code_dot = |coarse: i32, fine: i32| 16 * i64::from(coarse) + i64::from(fine);
-                    let (dot, residual) =
-                        (code_dot(dots[k], dots[len + k]), code_dot(dots[2 * len + k], dots[3 * len + k]));
-                    let fine = query.fine.bounds(dot, residual);
-                    Bounds { lower: fine.lower.max(scanned.lower), upper: fine.upper.min(scanned.upper) }
-                } else {
-                    scanned
-                };
+        if !self.refines() {
+            let weights: Vec<SketchQuery> = queries.iter().map(ScanQuery::view).collect();
+            dots.clear();
+            dots.resize(len, 0);
+            kernels.sketch_dots_at(&coarse, &weights, rows, dots);
+            for (k, o) in out.iter_mut().enumerate() {
+                *o = weights[k / n].bounds(dots[k]);
             }
+            return;
+        }
+        // Per plane, the weights' dots (query after query), then the residuals'.
+        let both: Vec<SketchQuery> =
+            queries.iter().map(ScanQuery::view).chain(queries.iter().map(ScanQuery::residual_view)).collect();
+        dots.clear();
+        dots.resize(4 * len, 0);
+        let (coarse_dots, fine_dots) = dots.split_at_mut(2 * len);
+        let fine = SketchCodes { layout: SketchLayout { dim: self.dim, bits: 4 }, codes: &self.fine };
+        kernels.sketch_dots_at(&coarse, &both, rows, coarse_dots);
+        kernels.sketch_dots_at(&fine, &both, rows, fine_dots);
+        // The 8-bit code is the 4 scanned bits above the 4 fine ones.
+        let code_dot = |k: usize| 16 * i64::from(dots[k]) + i64::from(dots[2 * len + k]);
+        for (k, o) in out.iter_mut().enumerate() {
+            let query = &queries[k / n];
+            let scanned = query.view().bounds(dots[k]);
+            let fine = query.fine.bounds(code_dot(k), code_dot(len + k));
+            *o = Bounds { lower: fine.lower.max(scanned.lower), upper: fine.upper.min(scanned.upper) };
         }
     }
 
@@ -397,8 +395,9 @@ impl FineBound {
     }
 }
 
-/// Channels per pass of the set-up's loops: the sums run in that many lanes.
-const LANES: usize = 8;
+/// Channels per pass of the set-up's loops: the sums run in that many lanes
+/// (one SSE register's worth, which the compiler packs the lanes into).
+const LANES: usize = 4;
 
 /// The set-up's sums over the channels, lane by lane.
 #[derive(Default)]
@@ -449,7 +448,10 @@ impl Sums {
         // (ties to even) for |x| < 2^22: f32 has no bits left below 1 there.
         const ROUND: f32 = 12_582_912.0;
         let Scales { alpha, inverse, alpha2, inverse2 } = scales;
-        for l in 0..LANES {
+        // Unrolled by hand, so that every lane's index is a constant and the
+        // sums stay in registers.
+        const { assert!(LANES == 4, "four lanes unrolled") };
+        let mut lane = |l: usize| {
             let a = q[l] * step[l];
             let w = (((a * inverse) + ROUND) - ROUND).clamp(-127.0, 127.0);
             weights[l] = w;
@@ -470,7 +472,11 @@ impl Sums {
             self.scaled_abs[l] += a.abs() + (alpha * w).abs();
             self.dot[l] += q[l].abs() * (min[l].abs() + 255.0 * step[l]);
             self.weights[l] += w.abs();
-        }
+        };
+        lane(0);
+        lane(1);
+        lane(2);
+        lane(3);
     }
 }
 

@@ -143,8 +143,7 @@ impl GroupScan {
                 let perturbed = &mut self.perturbed[h * pool + first..][..rows.len()];
                 let mut lower = f32::NEG_INFINITY;
                 for ((p, b), &e) in perturbed.iter_mut().zip(page_bounds).zip(exponentials) {
-                    let upper = self.scale * b.upper;
-                    *p = (upper + e) + (upper.abs() + e) * 2f32.powi(-22);
+                    *p = perturbed_upper(self.scale * b.upper, e);
                     lower = lower.max(b.lower);
                 }
                 self.lower_max[h] = self.lower_max[h].max(f64::from(self.scale * lower));
@@ -240,6 +239,74 @@ impl GroupReads {
         self.refined.reset(pool, n_gqa);
         self.exponentials.reset(pool, 1);
     }
+
+    /// Refines `rows` of `page` (those no head has refined) for every head
+    /// of the group, in one pass over their codes; returns the bytes read.
+    fn refine(&mut self, scan: &GroupScan, rows: HeadRows, page: usize, wanted: impl Iterator<Item = u32>) -> usize {
+        let (Some(prepared), Some(sketch)) = (scan.prepared(page), rows.cache.sketch(rows.head, page)) else {
+            return 0;
+        };
+        let start = scan.pool.start;
+        let key = |row: u32| page * PAGE + row as usize - start;
+        self.refine_rows.clear();
+        self.refine_rows.extend(wanted.filter(|&row| self.refined.get(key(row)).is_none()));
+        let n = self.refine_rows.len();
+        if n == 0 {
+            return 0;
+        }
+        self.refine_bounds.resize(scan.n_gqa * n, Bounds::default());
+        sketch.refine_heads(prepared, &self.refine_rows, &mut self.refine_dots, &mut self.refine_bounds);
+        for r in 0..n {
+            let bounds = &self.refine_bounds;
+            for (h, upper) in self.refined.set(key(self.refine_rows[r])).iter_mut().enumerate() {
+                *upper = scan.scale * bounds[h * n + r].upper;
+            }
+        }
+        n * sketch.refinement_bytes()
+    }
+
+    /// Refines, page by page, every pool key whose scanned bound reaches
+    /// `thresholds[g]` for some head `g` of the group, and tightens the
+    /// scan's bounds with the refined ones: the keys the levels down to the
+    /// thresholds will want refined, in a pass per page rather than a pass
+    /// per page, head and level. Returns the bytes read.
+    pub fn refine_ahead(&mut self, scan: &mut GroupScan, rows: HeadRows, thresholds: &[f32]) -> usize {
+        let (n, pool) = (scan.n_gqa, scan.pool.clone());
+        if !scan.refines || pool.is_empty() {
+            return 0;
+        }
+        let mut bytes = 0;
+        let mut wanted = Vec::with_capacity(PAGE);
+        for page in pool.start / PAGE..pool.end.div_ceil(PAGE) {
+            let keys = (page * PAGE).max(pool.start)..((page + 1) * PAGE).min(pool.end);
+            wanted.clear();
+            wanted.extend(keys.clone().filter_map(|pos| {
+                let i = pos - pool.start;
+                (0..n).any(|g| scan.perturbed[g * pool.len() + i] >= thresholds[g]).then_some((pos % PAGE) as u32)
+            }));
+            bytes += self.refine(scan, rows, page, wanted.iter().copied());
+            for &row in &wanted {
+                let i = page * PAGE + row as usize - pool.start;
+                let Some(refined) = self.refined.get(i) else { continue };
+                for (g, &upper) in refined.iter().enumerate() {
+                    let p = &mut scan.perturbed[g * pool.len() + i];
+                    *p = p.min(perturbed_upper(upper, scan.exponential_uppers[i]));
+                }
+            }
+        }
+        bytes
+    }
+
+    /// The largest of query head `g`'s exact-set scores, once read.
+    pub fn exact_max(&self, g: usize, exact: usize) -> f64 {
+        (0..exact).filter_map(|i| self.scores.get(i)).map(|s| f64::from(s[g])).fold(f64::NEG_INFINITY, f64::max)
+    }
+}
+
+/// `p ≥ upper + e` for an upper bound on a score and one on its
+/// perturbation: their f32 sum moved up past its rounding.
+fn perturbed_upper(upper: f32, e: f32) -> f32 {
+    (upper + e) + (upper.abs() + e) * 2f32.powi(-22)
 }
 
 /// Runs of keys to score this close are read as one, the keys between them
@@ -346,43 +413,14 @@ impl<'a> CacheHead<'a> {
     /// Refines the pool keys of `indices` (ascending) that no head has
     /// refined, for every head of the group, page by page.
     fn read_refinements(&mut self, indices: &[u32]) {
-        let (start, n) = (self.split.pool.start, self.scan.n_gqa);
+        let start = self.split.pool.start;
         let mut k = 0;
         while k < indices.len() {
             let page = (start + indices[k] as usize) / PAGE;
             let end = k + indices[k..].iter().take_while(|&&i| (start + i as usize) / PAGE == page).count();
-            let run = &indices[k..end];
+            let rows = indices[k..end].iter().map(|&i| ((start + i as usize) % PAGE) as u32);
+            self.bytes.keys += self.reads.refine(self.scan, self.rows, page, rows);
             k = end;
-            let (Some(prepared), Some(sketch)) = (self.scan.prepared(page), self.cache().sketch(self.rows.head, page))
-            else {
-                continue;
-            };
-            self.reads.refine_rows.clear();
-            self.reads.refine_rows.extend(
-                run.iter()
-                    .filter(|&&i| self.reads.refined.get(i as usize).is_none())
-                    .map(|&i| ((start + i as usize) % PAGE) as u32),
-            );
-            let rows = self.reads.refine_rows.len();
-            if rows == 0 {
-                continue;
-            }
-            self.reads.refine_bounds.resize(n * rows, Bounds::default());
-            sketch.refine_heads(
-                prepared,
-                &self.reads.refine_rows,
-                &mut self.reads.refine_dots,
-                &mut self.reads.refine_bounds,
-            );
-            for r in 0..rows {
-                let key = page * PAGE + self.reads.refine_rows[r] as usize - start;
-                let scale = self.scan.scale;
-                let bounds = &self.reads.refine_bounds;
-                for (h, upper) in self.reads.refined.set(key).iter_mut().enumerate() {
-                    *upper = scale * bounds[h * rows + r].upper;
-                }
-            }
-            self.bytes.keys += rows * sketch.refinement_bytes();
         }
     }
 }
@@ -432,11 +470,7 @@ impl HeadKeys for CacheHead<'_> {
         for (o, &i) in out.iter_mut().zip(indices) {
             let i = i as usize;
             *o = match self.reads.refined.get(i) {
-                // As the scan's bound: the f32 sum moved up past its rounding.
-                Some(upper) => {
-                    let (upper, e) = (upper[self.g], self.scan.exponential_uppers[i]);
-                    f64::from((upper + e) + (upper.abs() + e) * 2f32.powi(-22))
-                }
+                Some(upper) => f64::from(perturbed_upper(upper[self.g], self.scan.exponential_uppers[i])),
                 None => f64::INFINITY,
             };
         }
