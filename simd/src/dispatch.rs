@@ -50,6 +50,14 @@ pub(crate) type AddWeightedCodedFn = unsafe fn(weights: &[f32], stride: usize, v
 pub(crate) type SketchDotsFn = unsafe fn(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]);
 /// Integer dots of a query group with listed rows of sketch codes (see [`Kernels::sketch_dots_at`]).
 pub(crate) type SketchDotsAtFn = unsafe fn(codes: &SketchCodes, queries: &[SketchQuery], rows: &[u32], out: &mut [i32]);
+/// The set-up of a sketch query (see [`Kernels::sketch_prepare`]).
+pub(crate) type SketchPrepareFn = unsafe fn(
+    q: &[f32],
+    min: &[f32],
+    step: &[f32],
+    weights: &mut [i8],
+    residuals: &mut [i8],
+) -> (crate::sketch::PrepareScales, crate::sketch::PrepareSums);
 /// Indices of the numbers at or above a threshold (see [`Kernels::select_at_least`]).
 pub(crate) type SelectFn = unsafe fn(values: &[f32], threshold: f32, out: &mut [u32]) -> usize;
 /// Score bounds of a query group over rows of sketch codes (see [`Kernels::sketch_scan`]).
@@ -121,6 +129,7 @@ pub(crate) struct SketchKernels {
     pub(crate) dots_at: SketchDotsAtFn,
     pub(crate) bounds: SketchScanFn,
     pub(crate) select: SelectFn,
+    pub(crate) prepare: SketchPrepareFn,
 }
 
 /// The kernels of one weight format.
@@ -358,6 +367,7 @@ const SCALAR: Kernels = Kernels {
         dots_at: crate::sketch::portable::dots_at,
         bounds: crate::sketch::portable::bounds,
         select: crate::sketch::portable::select,
+        prepare: crate::sketch::portable::prepare,
     },
     tiles: [None; WeightType::ALL.len()],
 };

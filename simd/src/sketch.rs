@@ -120,6 +120,132 @@ impl SketchQuery<'_> {
     }
 }
 
+/// The per-channel terms of a sketch query's set-up, summed over the
+/// channels: what `sift`'s key sketch turns into the bounds' constants (it
+/// derives them). With `a_c = q_c·step_c`, weights `â_c = round(a_c/α)`,
+/// `δ_c = a_c − α·â_c`, residuals `r̂_c = round(δ_c/α₂)` and
+/// `ε_c = δ_c − α₂·r̂_c`:
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrepareSums {
+    /// `Σ q_c·min_c`.
+    pub centre: f32,
+    /// `Σ a_c`.
+    pub a: f32,
+    /// `Σ |a_c|`.
+    pub a_abs: f32,
+    /// `Σ max(δ_c, 0)`.
+    pub above: f32,
+    /// `Σ max(−δ_c, 0)`.
+    pub below: f32,
+    /// `Σ max(ε_c, 0)`.
+    pub residual_above: f32,
+    /// `Σ max(−ε_c, 0)`.
+    pub residual_below: f32,
+    /// `Σ |q_c·min_c|`.
+    pub centre_abs: f32,
+    /// `Σ (|a_c| + |α·â_c|)`.
+    pub scaled_abs: f32,
+    /// `Σ |q_c|·(|min_c| + 255·step_c)`.
+    pub dot: f32,
+    /// `Σ |â_c|`.
+    pub weights: f32,
+    /// `Σ |r̂_c|`.
+    pub residuals: f32,
+}
+
+/// The set-up's scales from `max_c |a_c|`: `α = max/127`, `α₂ = α/248` (so
+/// that `|δ| ≤ α/2` fits 127 steps of it), and their inverses (0 where an
+/// inverse would not be finite: the weights are then 0, which is valid).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrepareScales {
+    /// `α`: the weights' step.
+    pub alpha: f32,
+    /// `α₂`: the residuals' step.
+    pub alpha2: f32,
+    inverse: f32,
+    inverse2: f32,
+}
+
+impl PrepareScales {
+    pub(crate) fn of(a_max: f32) -> Self {
+        let alpha = a_max / 127.0;
+        let alpha2 = alpha / 248.0;
+        let invert = |x: f32| {
+            let inverse = 1.0 / x;
+            if x > 0.0 && inverse.is_finite() {
+                inverse
+            } else {
+                0.0
+            }
+        };
+        Self { alpha, alpha2, inverse: invert(alpha), inverse2: invert(alpha2) }
+    }
+
+    pub(crate) fn inverse(&self) -> f32 {
+        self.inverse
+    }
+
+    pub(crate) fn inverse2(&self) -> f32 {
+        self.inverse2
+    }
+}
+
+/// Lanes of the set-up's sums: channel `c` adds to lane `c mod 16`, and the
+/// lanes are reduced pairwise (`l` with `l + 8`, then `+ 4`, `+ 2`, `+ 1`),
+/// the same on every table.
+pub(crate) const PREPARE_LANES: usize = 16;
+
+/// Adding and taking away 1.5·2^23 rounds to the nearest integer (ties to
+/// even) for |x| < 2^22: f32 has no bits left below 1 there.
+pub(crate) const ROUND: f32 = 12_582_912.0;
+
+/// `x` if above 0, else 0 (as `maxps(x, 0)`: +0 for −0).
+#[inline(always)]
+pub(crate) fn positive(x: f32) -> f32 {
+    if x > 0.0 {
+        x
+    } else {
+        0.0
+    }
+}
+
+/// `x` within `[−127, 127]` (as `maxps(minps(x, 127), −127)`).
+#[inline(always)]
+pub(crate) fn clamp127(x: f32) -> f32 {
+    let x = if x < 127.0 { x } else { 127.0 };
+    if x > -127.0 {
+        x
+    } else {
+        -127.0
+    }
+}
+
+/// The sixteen lanes of each of the twelve sums reduced in the tables'
+/// order.
+pub(crate) fn reduce_prepare(lanes: &[[f32; 8]; 12]) -> PrepareSums {
+    let sums = lanes.map(|l| {
+        let l4: [f32; 4] = core::array::from_fn(|j| l[j] + l[j + 4]);
+        let l2: [f32; 2] = core::array::from_fn(|j| l4[j] + l4[j + 2]);
+        l2[0] + l2[1]
+    });
+    let [centre, a, a_abs, above, below, residual_above, residual_below, centre_abs, scaled_abs, dot, weights, residuals] =
+        sums;
+    PrepareSums {
+        centre,
+        a,
+        a_abs,
+        above,
+        below,
+        residual_above,
+        residual_below,
+        centre_abs,
+        scaled_abs,
+        dot,
+        weights,
+        residuals,
+    }
+}
+
 /// Lower and upper bounds on a score.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Bounds {
@@ -314,6 +440,56 @@ pub(crate) fn select_rest(values: &[f32], first: usize, threshold: f32, out: &mu
 pub(crate) mod portable {
     use super::*;
 
+    /// Table entry: [`Kernels::sketch_prepare`] (lengths checked by the caller).
+    pub(crate) fn prepare(
+        q: &[f32],
+        min: &[f32],
+        step: &[f32],
+        weights: &mut [i8],
+        residuals: &mut [i8],
+    ) -> (PrepareScales, PrepareSums) {
+        let a_max = q.iter().zip(step).fold(0.0f32, |m, (&q, &s)| {
+            let a = (q * s).abs();
+            if a > m {
+                a
+            } else {
+                m
+            }
+        });
+        let scales = PrepareScales::of(a_max);
+        let PrepareScales { alpha, alpha2, inverse, inverse2 } = scales;
+        let mut lanes = [[0.0f32; PREPARE_LANES]; 12];
+        for c in 0..q.len() {
+            let (q, min, step) = (q[c], min[c], step[c]);
+            let a = q * step;
+            let w = clamp127(((a * inverse) + ROUND) - ROUND);
+            let delta = a - alpha * w;
+            let r = clamp127(((delta * inverse2) + ROUND) - ROUND);
+            let residual = delta - alpha2 * r;
+            let centre = q * min;
+            (weights[c], residuals[c]) = (w as i8, r as i8);
+            let terms = [
+                centre,
+                a,
+                a.abs(),
+                positive(delta),
+                positive(-delta),
+                positive(residual),
+                positive(-residual),
+                centre.abs(),
+                a.abs() + (alpha * w).abs(),
+                q.abs() * (min.abs() + 255.0 * step),
+                w.abs(),
+                r.abs(),
+            ];
+            for (lane, term) in lanes.iter_mut().zip(terms) {
+                lane[c % PREPARE_LANES] += term;
+            }
+        }
+        let halves = lanes.map(|l| core::array::from_fn(|j| l[j] + l[j + 8]));
+        (scales, reduce_prepare(&halves))
+    }
+
     /// Table entry: [`scan_dots`] (lengths checked by the caller).
     pub(crate) fn dots(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]) {
         // SAFETY: `Portable` uses no ISA-specific instructions.
@@ -351,6 +527,28 @@ impl Kernels {
         check_scan(codes, queries, out.len());
         // SAFETY: lengths checked above; the table's ISA is supported (see `dispatch`).
         unsafe { (self.sketch.dots)(codes, queries, out) }
+    }
+
+    /// The set-up of a query `q` for a page of codes whose channels have
+    /// minima `min` and steps `step`: the i8 weights and residuals in
+    /// channel order, the scales, and the sums of the per-channel terms
+    /// ([`PrepareSums`]), in f32, the same bits on every table.
+    ///
+    /// # Panics
+    /// If the four lengths differ.
+    pub fn sketch_prepare(
+        &self,
+        q: &[f32],
+        min: &[f32],
+        step: &[f32],
+        weights: &mut [i8],
+        residuals: &mut [i8],
+    ) -> (PrepareScales, PrepareSums) {
+        let n = q.len();
+        assert!(min.len() == n && step.len() == n, "a minimum and a step per channel of the query");
+        assert!(weights.len() == n && residuals.len() == n, "a weight and a residual per channel");
+        // SAFETY: lengths checked above; the table's ISA is supported (see `dispatch`).
+        unsafe { (self.sketch.prepare)(q, min, step, weights, residuals) }
     }
 
     /// `out[h · n + k] = Σ_c â_hc · h_{rows[k], c}`: [`Kernels::sketch_dots`]

@@ -36,9 +36,11 @@
 //! `α₂·Σ r̂_c·h8_ic` is one more pair of integer dots: the bound is
 //! `α·I8_i + α₂·J8_i + C8±`, `C8±` split by `255·Σ max(±ε_c, 0)`.
 //!
-//! The set-up runs in f32, each sum over the channels in 4 lanes (so it
-//! vectorizes), with no division but one: `α = max|a_c|/127`, the weights
-//! `â_c = round(a_c/α)` by the add-and-subtract of `1.5·2^23`. The
+//! The set-up runs in f32 as `simd`'s [`simd::Kernels::sketch_prepare`]
+//! (eight channels a vector, the sums in sixteen lanes reduced in a fixed
+//! order, the same bits on every table), with no division per channel:
+//! `α = max|a_c|/127`, the weights `â_c = round(a_c·(1/α))` by the
+//! add-and-subtract of `1.5·2^23`. The
 //! floating-point slack, all folded into `C±`:
 //!
 //! * f32 set-up: every term (`q_c·min_c`, `a_c·o`, `δ_c` or `ε_c` scaled,
@@ -75,7 +77,8 @@
 //! at once, reading each key's codes once for all of them.
 
 use half::f16;
-use simd::{CodeRows, SketchCodes, SketchLayout, SketchQuery};
+use half::slice::HalfFloatSliceExt;
+use simd::{CodeRows, PrepareSums, SketchCodes, SketchLayout, SketchQuery};
 
 use std::ops::Range;
 
@@ -137,7 +140,8 @@ pub use simd::Bounds;
 pub struct KeySketch {
     dim: usize,
     keys: PageKeys,
-    channels: Vec<Affine>,
+    /// The channels' minima, then their steps.
+    affine: Vec<f16>,
     /// Per key row: the scanned bits of every channel's code, packed.
     coarse: Vec<u8>,
     /// Per key row: the low 4 bits of every code, packed; only where all 8
@@ -152,7 +156,7 @@ impl KeySketch {
         Self {
             dim,
             keys,
-            channels: vec![Affine::default(); dim],
+            affine: vec![f16::ZERO; 2 * dim],
             coarse: vec![0; PAGE * packed_len(dim, keys.scanned())],
             fine: vec![0; fine],
         }
@@ -169,15 +173,16 @@ impl KeySketch {
     pub fn fill(&mut self, keys: &[f16]) {
         assert_eq!(keys.len(), PAGE * self.dim, "a sketch covers one whole page");
         let (dim, scanned) = (self.dim, self.keys.scanned());
-        for (c, affine) in self.channels.iter_mut().enumerate() {
-            *affine = Affine::fit(keys.iter().skip(c).step_by(dim).copied());
+        for c in 0..dim {
+            let affine = Affine::fit(keys.iter().skip(c).step_by(dim).copied());
+            (self.affine[c], self.affine[dim + c]) = (affine.min, affine.step);
         }
         self.coarse.fill(0);
         self.fine.fill(0);
         let (coarse_len, fine_len) = (packed_len(dim, scanned), packed_len(dim, Bits::Four));
         for (i, key) in keys.chunks_exact(dim).enumerate() {
-            for (c, (&x, affine)) in key.iter().zip(&self.channels).enumerate() {
-                let code = affine.code(x);
+            for (c, &x) in key.iter().enumerate() {
+                let code = self.channel(c).code(x);
                 pack(&mut self.coarse[i * coarse_len..][..coarse_len], c, scanned, scanned.narrow(code));
                 if !self.fine.is_empty() {
                     pack(&mut self.fine[i * fine_len..][..fine_len], c, Bits::Four, code & 0xf);
@@ -187,14 +192,19 @@ impl KeySketch {
     }
 
     pub fn bytes(&self) -> usize {
-        std::mem::size_of_val(self.channels.as_slice()) + self.coarse.len() + self.fine.len()
+        std::mem::size_of_val(self.affine.as_slice()) + self.coarse.len() + self.fine.len()
+    }
+
+    /// Channel `c`'s minimum and step.
+    fn channel(&self, c: usize) -> Affine {
+        Affine { min: self.affine[c], step: self.affine[self.dim + c] }
     }
 
     /// Key `i` at all the kept bits: for coded pages, the key itself.
     pub fn dequantize_key(&self, i: usize, out: &mut [f32]) {
         let kept = self.keys.kept();
-        for (c, (o, affine)) in out[..self.dim].iter_mut().zip(&self.channels).enumerate() {
-            *o = affine.level(self.code(i, c, kept), kept);
+        for (c, o) in out[..self.dim].iter_mut().enumerate() {
+            *o = self.channel(c).level(self.code(i, c, kept), kept);
         }
     }
 
@@ -212,9 +222,8 @@ impl KeySketch {
     pub fn code_rows<'a>(&'a self, rows: Range<usize>, affine: &'a mut Vec<f32>) -> CodeRows<'a> {
         let (kept, scanned, dim) = (self.keys.kept(), self.keys.scanned(), self.dim);
         let (coarse_len, fine_len) = (packed_len(dim, scanned), packed_len(dim, Bits::Four));
-        affine.clear();
-        affine.extend(self.channels.iter().map(|a| a.min.to_f32()));
-        affine.extend(self.channels.iter().map(|a| a.step.to_f32()));
+        affine.resize(2 * dim, 0.0);
+        self.affine.convert_to_f32_slice(affine);
         let (min, step) = affine.split_at(dim);
         CodeRows {
             dim,
@@ -335,9 +344,8 @@ impl KeySketch {
     /// The channels' minima then steps, in f32, as [`ScanQuery::prepare_with`]
     /// takes them.
     pub fn affine_f32(&self, out: &mut Vec<f32>) {
-        out.clear();
-        out.extend(self.channels.iter().map(|a| a.min.to_f32()));
-        out.extend(self.channels.iter().map(|a| a.step.to_f32()));
+        out.resize(2 * self.dim, 0.0);
+        self.affine.convert_to_f32_slice(out);
     }
 
     /// An upper bound on `q·k` over every key of the page, from the
@@ -345,10 +353,11 @@ impl KeySketch {
     pub fn page_upper_bound(&self, q: &[f32]) -> f32 {
         let (low, high) = self.keys.extent();
         let mut sum = Slack::default();
-        for (&qc, affine) in q.iter().zip(&self.channels) {
-            let (min, a) = channel(qc, affine);
+        for (c, &qc) in q.iter().enumerate() {
+            let affine = self.channel(c);
+            let (min, a) = channel(qc, &affine);
             sum.add(qc as f64 * min + (a * low).max(a * high));
-            sum.widen_f32(qc, affine);
+            sum.widen_f32(qc, &affine);
         }
         sum.bounds(self.dim).upper
     }
@@ -372,10 +381,10 @@ pub struct ScanQuery {
     upper: f32,
     /// The 8-bit bound's constants (where the sketch keeps 8 bits).
     fine: FineBound,
-    /// The weights and residuals in channel order, as f32, padded to whole
-    /// code bytes.
-    channel_weights: Vec<f32>,
-    channel_residuals: Vec<f32>,
+    /// The weights and residuals in channel order, padded to whole code
+    /// bytes.
+    channel_weights: Vec<i8>,
+    channel_residuals: Vec<i8>,
 }
 
 /// `fl(fl(fl(α·fl(I)) + fl(α₂·fl(J))) + C±)` for the integer dots `I`, `J`
@@ -395,95 +404,6 @@ impl FineBound {
     }
 }
 
-/// Channels per pass of the set-up's loops: the sums run in that many lanes
-/// (one SSE register's worth, which the compiler packs the lanes into).
-const LANES: usize = 4;
-
-/// The set-up's sums over the channels, lane by lane.
-#[derive(Default)]
-struct Sums {
-    /// `Σ q_c·min_c`.
-    centre: [f32; LANES],
-    /// `Σ a_c`.
-    a: [f32; LANES],
-    /// `Σ |a_c|`.
-    a_abs: [f32; LANES],
-    /// `Σ max(δ_c, 0)` and `Σ max(−δ_c, 0)`.
-    above: [f32; LANES],
-    below: [f32; LANES],
-    /// The same of `ε_c = δ_c − α₂·r̂_c`.
-    residual_above: [f32; LANES],
-    residual_below: [f32; LANES],
-    /// `Σ |q_c·min_c|` and `Σ (|a_c| + |α·â_c|)`: the terms' magnitudes.
-    centre_abs: [f32; LANES],
-    scaled_abs: [f32; LANES],
-    /// `Σ |q_c|·(|min_c| + 255·step_c)`, for the slack of the caller's f32 dot.
-    dot: [f32; LANES],
-    /// `Σ |â_c|` and `Σ |r̂_c|`.
-    weights: [f32; LANES],
-    residuals: [f32; LANES],
-}
-
-/// The set-up's scales: `α`, `α₂ = α/248` (so that `|δ| ≤ α/2` fits 127
-/// steps of it) and their inverses.
-#[derive(Clone, Copy)]
-struct Scales {
-    alpha: f32,
-    inverse: f32,
-    alpha2: f32,
-    inverse2: f32,
-}
-
-impl Sums {
-    /// [`LANES`] channels (zeros past the last), with `α` and `1/α`: their
-    /// weights into `weights`, their terms into the sums.
-    #[inline(always)]
-    fn add(
-        &mut self,
-        [q, min, step]: [&[f32; LANES]; 3],
-        [weights, residuals]: [&mut [f32; LANES]; 2],
-        scales: Scales,
-    ) {
-        // Adding and taking away 1.5·2^23 rounds to the nearest integer
-        // (ties to even) for |x| < 2^22: f32 has no bits left below 1 there.
-        const ROUND: f32 = 12_582_912.0;
-        let Scales { alpha, inverse, alpha2, inverse2 } = scales;
-        // Unrolled by hand, so that every lane's index is a constant and the
-        // sums stay in registers.
-        const { assert!(LANES == 4, "four lanes unrolled") };
-        let mut lane = |l: usize| {
-            let a = q[l] * step[l];
-            let w = (((a * inverse) + ROUND) - ROUND).clamp(-127.0, 127.0);
-            weights[l] = w;
-            let delta = a - alpha * w;
-            let r = (((delta * inverse2) + ROUND) - ROUND).clamp(-127.0, 127.0);
-            residuals[l] = r;
-            let residual = delta - alpha2 * r;
-            self.residual_above[l] += residual.max(0.0);
-            self.residual_below[l] += (-residual).max(0.0);
-            self.residuals[l] += r.abs();
-            let centre = q[l] * min[l];
-            self.centre[l] += centre;
-            self.a[l] += a;
-            self.a_abs[l] += a.abs();
-            self.above[l] += delta.max(0.0);
-            self.below[l] += (-delta).max(0.0);
-            self.centre_abs[l] += centre.abs();
-            self.scaled_abs[l] += a.abs() + (alpha * w).abs();
-            self.dot[l] += q[l].abs() * (min[l].abs() + 255.0 * step[l]);
-            self.weights[l] += w.abs();
-        };
-        lane(0);
-        lane(1);
-        lane(2);
-        lane(3);
-    }
-}
-
-fn total(lanes: [f32; LANES]) -> f32 {
-    lanes.iter().sum()
-}
-
 impl ScanQuery {
     /// Prepares `q` for `sketch`'s page.
     pub fn prepare(&mut self, sketch: &KeySketch, q: &[f32]) {
@@ -501,37 +421,19 @@ impl ScanQuery {
         assert_eq!(q.len(), dim, "query and keys differ in size");
         assert_eq!(affine.len(), 2 * dim, "a minimum and a step per channel");
         let (min, step) = affine.split_at(dim);
-        let a_max = q.iter().zip(step).fold(0.0f32, |m, (&q, &s)| m.max((q * s).abs()));
-        // α is an f32 (the scan multiplies in f32); any value would do, as
-        // its rounding is measured in δ below.
-        let alpha = a_max / 127.0;
-        let alpha2 = alpha / 248.0;
-        let invert = |x: f32| if x > 0.0 { 1.0 / x } else { 0.0 };
-        let scales = Scales { alpha, inverse: invert(alpha), alpha2, inverse2: invert(alpha2) };
         let layout = sketch.scan_layout();
         for channel in [&mut self.channel_weights, &mut self.channel_residuals] {
             channel.clear();
-            channel.resize(layout.weights_len(), 0.0);
+            channel.resize(layout.weights_len(), 0);
         }
-        let mut sums = Sums::default();
-        let (full, rest) = (dim / LANES, dim % LANES);
-        let (qs, ms, ss) = (q.as_chunks::<LANES>().0, min.as_chunks::<LANES>().0, step.as_chunks::<LANES>().0);
-        let weights = self.channel_weights.as_chunks_mut::<LANES>().0;
-        let residuals = self.channel_residuals.as_chunks_mut::<LANES>().0;
-        for k in 0..full {
-            sums.add([&qs[k], &ms[k], &ss[k]], [&mut weights[k], &mut residuals[k]], scales);
-        }
-        if rest > 0 {
-            let pad = |x: &[f32]| {
-                let mut lanes = [0.0; LANES];
-                lanes[..rest].copy_from_slice(&x[full * LANES..]);
-                lanes
-            };
-            let (mut w, mut r) = ([0.0; LANES], [0.0; LANES]);
-            sums.add([&pad(q), &pad(min), &pad(step)], [&mut w, &mut r], scales);
-            self.channel_weights[full * LANES..][..rest].copy_from_slice(&w[..rest]);
-            self.channel_residuals[full * LANES..][..rest].copy_from_slice(&r[..rest]);
-        }
+        let (scales, sums) = simd::kernels().sketch_prepare(
+            q,
+            min,
+            step,
+            &mut self.channel_weights[..dim],
+            &mut self.channel_residuals[..dim],
+        );
+        let (alpha, alpha2) = (scales.alpha, scales.alpha2);
         for (planes, channel) in
             [(&mut self.weights, &self.channel_weights), (&mut self.residuals, &self.channel_residuals)]
         {
@@ -548,11 +450,20 @@ impl ScanQuery {
         let (offset, width) = (bits.offset(0) as f32, sketch.keys.half_width(bits) as f32);
         // (Only where all 8 bits are kept: narrower codes have no 8-bit bound.)
         let fine_width = if sketch.refines() { sketch.keys.half_width(Bits::Eight) as f32 } else { 0.0 };
-        let [centre, a, a_abs, above, below] = [sums.centre, sums.a, sums.a_abs, sums.above, sums.below].map(total);
-        let [residual_above, residual_below, residuals] =
-            [sums.residual_above, sums.residual_below, sums.residuals].map(total);
-        let [centre_abs, scaled_abs, dot, weights] =
-            [sums.centre_abs, sums.scaled_abs, sums.dot, sums.weights].map(total);
+        let PrepareSums {
+            centre,
+            a,
+            a_abs,
+            above,
+            below,
+            residual_above,
+            residual_below,
+            centre_abs,
+            scaled_abs,
+            dot,
+            weights,
+            residuals,
+        } = sums;
         let magnitude = centre_abs + scaled_abs * (1.0 + offset + width + span * top + 3.0 * 255.0 + fine_width);
         let set_up = (dim as f32 + 8.0) * 2f32.powi(-21) * magnitude + (dim as f32 + 2.0) * 2f32.powi(-22) * dot;
         // The scanned codes: β·I + centre + offset·Σa ± (span·top·δ± + width·Σ|a|).
@@ -595,11 +506,11 @@ impl ScanQuery {
 
 /// Weights in channel order (padded to whole code bytes) into the scan's
 /// planes: plane `j` holds field `j` of every code byte.
-fn into_planes<const FIELDS: usize>(channel: &[f32], planes: &mut [i8]) {
+fn into_planes<const FIELDS: usize>(channel: &[i8], planes: &mut [i8]) {
     let row_bytes = planes.len() / FIELDS;
     for (j, plane) in planes.chunks_exact_mut(row_bytes).enumerate() {
         for (m, w) in plane.iter_mut().enumerate() {
-            *w = channel[m * FIELDS + j] as i8;
+            *w = channel[m * FIELDS + j];
         }
     }
 }

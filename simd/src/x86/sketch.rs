@@ -15,7 +15,7 @@ use core::arch::x86_64::*;
 
 use super::{load32, reduce8x8, Avx2, Avx512, AvxVnni, IsaOps};
 use crate::dispatch::SketchKernels;
-use crate::sketch::{BlockDots, Bounds, SketchCodes, SketchQuery};
+use crate::sketch::{reduce_prepare, BlockDots, Bounds, PrepareScales, PrepareSums, SketchCodes, SketchQuery, ROUND};
 
 /// Bytes of codes per vector.
 const VECTOR: usize = 32;
@@ -204,6 +204,102 @@ unsafe fn select_at_least_avx512(values: &[f32], threshold: f32, out: &mut [u32]
     crate::sketch::select_rest(rest, values.len() - rest.len(), threshold, out, n)
 }
 
+/// `Kernels::sketch_prepare` in ymm registers, for every x86 table: eight
+/// channels a vector, chunk `k` adding to the half `k mod 2` of the sixteen
+/// lanes, every operation the portable one's (no fused multiply-adds), so
+/// the bits are the same.
+///
+/// # Safety
+/// The CPU must support AVX2; the lengths are equal.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn prepare_avx2(
+    q: &[f32],
+    min: &[f32],
+    step: &[f32],
+    weights: &mut [i8],
+    residuals: &mut [i8],
+) -> (PrepareScales, PrepareSums) {
+    let n = q.len();
+    let load = |x: &[f32], c: usize| -> __m256 {
+        match x[c..].first_chunk::<8>() {
+            // SAFETY: eight numbers of the slice.
+            Some(lanes) => unsafe { _mm256_loadu_ps(lanes.as_ptr()) },
+            None => {
+                let mut lanes = [0.0f32; 8];
+                lanes[..n - c].copy_from_slice(&x[c..]);
+                // SAFETY: eight numbers on the stack.
+                unsafe { _mm256_loadu_ps(lanes.as_ptr()) }
+            }
+        }
+    };
+    let sign = _mm256_set1_ps(-0.0);
+    let abs = |x: __m256| _mm256_andnot_ps(sign, x);
+    let mut most = _mm256_setzero_ps();
+    for c in (0..n).step_by(8) {
+        most = _mm256_max_ps(abs(_mm256_mul_ps(load(q, c), load(step, c))), most);
+    }
+    let lanes: [f32; 8] = bytemuck::cast(most);
+    let a_max = lanes.iter().fold(0.0f32, |m, &a| if a > m { a } else { m });
+    let scales = PrepareScales::of(a_max);
+    let splat = _mm256_set1_ps;
+    let (alpha, alpha2) = (splat(scales.alpha), splat(scales.alpha2));
+    let (inverse, inverse2) = (splat(scales.inverse()), splat(scales.inverse2()));
+    let (round, top, bottom, zero, top_code) =
+        (splat(ROUND), splat(127.0), splat(-127.0), _mm256_setzero_ps(), splat(255.0));
+    let rounded = |x: __m256| _mm256_max_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_add_ps(x, round), round), top), bottom);
+    let mut acc = [[_mm256_setzero_ps(); 2]; 12];
+    for (k, c) in (0..n).step_by(8).enumerate() {
+        let (qv, minv, stepv) = (load(q, c), load(min, c), load(step, c));
+        let a = _mm256_mul_ps(qv, stepv);
+        let w = rounded(_mm256_mul_ps(a, inverse));
+        let aw = _mm256_mul_ps(alpha, w);
+        let delta = _mm256_sub_ps(a, aw);
+        let r = rounded(_mm256_mul_ps(delta, inverse2));
+        let residual = _mm256_sub_ps(delta, _mm256_mul_ps(alpha2, r));
+        let centre = _mm256_mul_ps(qv, minv);
+        let minus = |x: __m256| _mm256_xor_ps(sign, x);
+        let terms = [
+            centre,
+            a,
+            abs(a),
+            _mm256_max_ps(delta, zero),
+            _mm256_max_ps(minus(delta), zero),
+            _mm256_max_ps(residual, zero),
+            _mm256_max_ps(minus(residual), zero),
+            abs(centre),
+            _mm256_add_ps(abs(a), abs(aw)),
+            _mm256_mul_ps(abs(qv), _mm256_add_ps(abs(minv), _mm256_mul_ps(top_code, stepv))),
+            abs(w),
+            abs(r),
+        ];
+        for (acc, term) in acc.iter_mut().zip(terms) {
+            acc[k % 2] = _mm256_add_ps(acc[k % 2], term);
+        }
+        let (w, r): ([f32; 8], [f32; 8]) = (bytemuck::cast(w), bytemuck::cast(r));
+        let len = (n - c).min(8);
+        for j in 0..len {
+            (weights[c + j], residuals[c + j]) = (w[j] as i8, r[j] as i8);
+        }
+    }
+    let halves = acc.map(|[low, high]| bytemuck::cast::<__m256, [f32; 8]>(_mm256_add_ps(low, high)));
+    (scales, reduce_prepare(&halves))
+}
+
+/// Table entry over [`prepare_avx2`].
+///
+/// # Safety
+/// As [`prepare_avx2`].
+unsafe fn prepare_entry(
+    q: &[f32],
+    min: &[f32],
+    step: &[f32],
+    weights: &mut [i8],
+    residuals: &mut [i8],
+) -> (PrepareScales, PrepareSums) {
+    // SAFETY: passed on.
+    unsafe { prepare_avx2(q, min, step, weights, residuals) }
+}
+
 /// Table entry over [`select_at_least_avx2`].
 ///
 /// # Safety
@@ -223,13 +319,28 @@ unsafe fn select_avx512(values: &[f32], threshold: f32, out: &mut [u32]) -> usiz
 }
 
 /// The AVX2 scan entries.
-pub(super) const AVX2: SketchKernels =
-    SketchKernels { dots: avx2::dots, dots_at: avx2::dots_at, bounds: avx2::bounds, select: select_avx2 };
+pub(super) const AVX2: SketchKernels = SketchKernels {
+    dots: avx2::dots,
+    dots_at: avx2::dots_at,
+    bounds: avx2::bounds,
+    select: select_avx2,
+    prepare: prepare_entry,
+};
 
 /// The AVX-VNNI scan entries.
-pub(super) const AVXVNNI: SketchKernels =
-    SketchKernels { dots: avxvnni::dots, dots_at: avxvnni::dots_at, bounds: avxvnni::bounds, select: select_avx2 };
+pub(super) const AVXVNNI: SketchKernels = SketchKernels {
+    dots: avxvnni::dots,
+    dots_at: avxvnni::dots_at,
+    bounds: avxvnni::bounds,
+    select: select_avx2,
+    prepare: prepare_entry,
+};
 
 /// The AVX-512 VNNI scan entries.
-pub(super) const AVX512: SketchKernels =
-    SketchKernels { dots: avx512::dots, dots_at: avx512::dots_at, bounds: avx512::bounds, select: select_avx512 };
+pub(super) const AVX512: SketchKernels = SketchKernels {
+    dots: avx512::dots,
+    dots_at: avx512::dots_at,
+    bounds: avx512::bounds,
+    select: select_avx512,
+    prepare: prepare_entry,
+};
