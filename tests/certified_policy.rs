@@ -10,9 +10,9 @@
 //! under 1.2·10^−5).
 
 use sift::attn::audit::{AuditTable, Audited};
-use sift::attn::certified::candidates::GroupScan;
+use sift::attn::certified::candidates::{CacheHead, GroupReads, GroupScan};
 use sift::attn::certified::synthetic::{SyntheticCache, SyntheticShape};
-use sift::attn::certified::{CertifiedPolicy, Grid, Params, PerturbationSeed, Perturbations};
+use sift::attn::certified::{CertifiedPolicy, Grid, HeadKeys, Params, PerturbationSeed, Perturbations};
 use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Measure, Scorer, Split};
 use sift::kv::{KvMode, Storage};
 
@@ -89,8 +89,9 @@ fn certified_policy_is_within_epsilon_on_paged_caches() {
 }
 
 /// Every pool key's bounds hold its exact score (f64, from the key as the
-/// cache returns it and the query rounded to f16), in f16 and the quantized
-/// modes, sink page and unsketched pages included.
+/// cache returns it and the query rounded to f16) and its perturbation: the
+/// scan's `p_i ≥ s_i + E_i` and largest lower bound, and the refined bounds,
+/// in f16 and the quantized modes, sink page and unsketched pages included.
 #[test]
 fn candidate_bounds_hold_every_exact_score() {
     for mode in [KvMode::F16, KvMode::Q8, KvMode::Q4, KvMode::Q2] {
@@ -111,22 +112,34 @@ fn candidate_bounds_hold_every_exact_score() {
         let call = LayerCall { layer: 0, step: 0, batch: &batch, cache: &cache.layer };
         let split = Split::of(call.visible(0));
         let mut scan = GroupScan::default();
+        let mut reads = GroupReads::default();
         let mut key = vec![0.0; shape.dim];
+        let pool: Vec<u32> = (0..split.pool.len() as u32).collect();
+        let mut refined = vec![0.0; pool.len()];
         for kv_head in 0..shape.n_kv_head {
             let perturbations = Perturbations::new(PerturbationSeed { seed: 1, fixed: false }, 0, kv_head, 0);
             scan.scan(&call, kv_head, &split, &perturbations);
+            reads.reset(scan.keys(&split), split.pool.len(), shape.n_gqa);
             for g in 0..shape.n_gqa {
-                let query = scan.query(g, shape.dim);
-                for (i, &(lower, upper)) in scan.bounds(g).iter().enumerate() {
+                let query = scan.query(g, shape.dim).to_vec();
+                let mut head = CacheHead::new(&call, kv_head, &split, &scan, g, &mut reads);
+                assert_eq!(head.refines(), matches!(mode, KvMode::F16 | KvMode::Q8), "{mode}");
+                head.refine(&pool, &mut refined);
+                let mut largest = f64::NEG_INFINITY;
+                for (i, &p) in scan.perturbed_uppers(g).iter().enumerate() {
                     let pos = split.pool.start + i;
                     cache.layer.key(kv_head, pos, &mut key);
                     let dot: f64 = query.iter().zip(&key).map(|(&q, &k)| f64::from(q) * f64::from(k)).sum();
                     let score = f64::from(shape.scale()) * dot;
-                    assert!(
-                        lower <= score && score <= upper,
-                        "{mode} head {kv_head}/{g} position {pos}: {score} outside [{lower}, {upper}]"
-                    );
+                    largest = largest.max(score);
+                    let perturbed = score + perturbations.exponential(pos);
+                    let ctx = format!("{mode} head {kv_head}/{g} position {pos}: {perturbed}");
+                    assert!(perturbed <= f64::from(p), "{ctx} above the scan's {p}");
+                    if head.refines() {
+                        assert!(perturbed <= refined[i], "{ctx} above the refined {}", refined[i]);
+                    }
                 }
+                assert!(scan.lower_max(g) <= largest, "{mode}: a lower bound above every score");
             }
         }
     }

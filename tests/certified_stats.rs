@@ -21,6 +21,7 @@
 
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
+use sift::attn::certified::head::f32_up;
 use sift::attn::certified::{Grid, HeadAttention, HeadKeys, Params, PerturbationSeed, Perturbations, Stop};
 use sift::attn::{Measure, WINDOW};
 
@@ -186,12 +187,25 @@ impl HeadKeys for Call<'_> {
     fn pool_len(&self) -> usize {
         KEYS - SINKS - WINDOW
     }
-    fn pool_bounds(&self, i: usize) -> (f64, f64) {
-        let (s, (below, above)) = (self.cache.scores[Cache::pool_key(i)], self.cache.slack[i]);
-        (s - below, s + above)
+    fn pool_lower_max(&self) -> f64 {
+        (0..self.pool_len())
+            .map(|i| self.cache.scores[Cache::pool_key(i)] - self.cache.slack[i].0)
+            .fold(f64::MIN, f64::max)
     }
-    fn pool_refined_upper(&mut self, i: usize) -> Option<f64> {
-        Some(self.cache.scores[Cache::pool_key(i)] + self.cache.slack[i].1 / 2.0)
+    fn perturbed_uppers(&self, out: &mut [f32]) {
+        for (i, p) in out.iter_mut().enumerate() {
+            let upper = self.cache.scores[Cache::pool_key(i)] + self.cache.slack[i].1;
+            *p = f32_up(upper + self.perturbations.exponential(Cache::pool_key(i)));
+        }
+    }
+    fn refines(&self) -> bool {
+        true
+    }
+    fn refine(&mut self, indices: &[u32], out: &mut [f64]) {
+        for (o, &i) in out.iter_mut().zip(indices) {
+            let i = i as usize;
+            *o = self.cache.scores[Cache::pool_key(i)] + self.cache.slack[i].1 / 2.0 + self.perturbation(i);
+        }
     }
     fn pool_scores(&mut self, indices: &[u32], out: &mut [f64]) {
         for (o, &i) in out.iter_mut().zip(indices) {
@@ -201,7 +215,7 @@ impl HeadKeys for Call<'_> {
     fn pool_value(&mut self, i: usize, out: &mut [f32]) {
         out.copy_from_slice(self.cache.value(Cache::pool_key(i)));
     }
-    fn perturbation(&self, i: usize) -> f64 {
+    fn perturbation(&mut self, i: usize) -> f64 {
         self.perturbations.exponential(Cache::pool_key(i))
     }
     fn value_norm_max(&self) -> f64 {

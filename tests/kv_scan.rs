@@ -132,7 +132,7 @@ fn scanned_bounds_hold_for_the_keys_returned() {
                                 let pos = page * PAGE + i;
                                 layer.key(head, pos, &mut key);
                                 let score: f64 = q.iter().zip(&key).map(|(&a, &b)| a as f64 * b as f64).sum();
-                                let (coarse, fine) = (bounds[h * PAGE + i], sketch.refine(q, query, i));
+                                let (coarse, fine) = (bounds[h * PAGE + i], sketch.refine(query, i));
                                 let holds = |b: Bounds| b.lower as f64 <= score && score <= b.upper as f64;
                                 if rows.contains(&i) {
                                     let ctx = format!("{storage:?} d {dk} head {head} pos {pos}: {score:e}");

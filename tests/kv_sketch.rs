@@ -119,7 +119,7 @@ fn check_case(seed: u64, dim: usize, shape: Shape, q_exp: i32) -> Result<(), Tes
             let exact = dot_f64(&q, &key);
             let forward = dot_f32(q.iter().copied(), key.iter().copied()) as f64;
             let backward = dot_f32(q.iter().rev().copied(), key.iter().rev().copied()) as f64;
-            let fine = sketch.refine(&q, &scan, i);
+            let fine = sketch.refine(&scan, i);
             let ctx = format!("{kind:?} key {i}: exact {exact:e}, scan {coarse:?}, refined {fine:?}, page {page:e}");
             for score in [exact, forward, backward] {
                 prop_assert!(coarse.lower as f64 <= score && score <= coarse.upper as f64, "{ctx}");
@@ -194,7 +194,7 @@ fn bounds_are_tight() {
             })
             .sum();
         for (i, coarse) in coarse.iter().enumerate() {
-            let fine = sketch.refine(&q, &scan, i);
+            let fine = sketch.refine(&scan, i);
             let (coarse_width, fine_width) = (coarse.upper - coarse.lower, fine.upper - fine.lower);
             assert!(coarse_width as f64 <= 1.5 * 16.0 * q_step, "seed {seed} key {i}: {coarse:?} vs {q_step}");
             assert!(fine_width as f64 <= 1.5 * q_step, "seed {seed} key {i}: {fine:?} vs {q_step}");

@@ -139,7 +139,9 @@ fn dense_and_topk_score_through_the_cap() {
     }
 }
 
-/// Every pool key's bounds hold its exact capped score, in every cache mode.
+/// Every pool key's perturbed bound holds its exact capped score plus its
+/// perturbation, and the largest lower bound lies at or below the largest
+/// capped score, in every cache mode.
 #[test]
 fn candidate_bounds_hold_every_capped_score() {
     for mode in [KvMode::F16, KvMode::Q8, KvMode::Q4, KvMode::Q2] {
@@ -166,18 +168,26 @@ fn candidate_bounds_hold_every_capped_score() {
             scan.scan(&call, kv_head, &split, &perturbations);
             for g in 0..SHAPE.n_gqa {
                 let q = scan.query(g, SHAPE.dim);
-                for (i, &(lower, upper)) in scan.bounds(g).iter().enumerate() {
+                let mut largest = f64::NEG_INFINITY;
+                for (i, &upper) in scan.perturbed_uppers(g).iter().enumerate() {
                     let pos = split.pool.start + i;
                     let s = scale * dot(&cache.layer, kv_head, pos, q);
                     let score = cap * (s / cap).tanh();
+                    largest = largest.max(score);
                     bent += usize::from(s - score > 1.0);
+                    let perturbed = score + perturbations.exponential(pos);
                     assert!(
-                        lower <= score && score <= upper,
-                        "{mode} head {kv_head}/{g} position {pos}: {score} outside [{lower}, {upper}]"
+                        perturbed <= f64::from(upper),
+                        "{mode} head {kv_head}/{g} position {pos}: perturbed score {perturbed} above the bound {upper}"
                     );
                     // Keys no sketch bounds (unsketched pages) keep infinite bounds.
-                    assert!(upper.is_infinite() || upper <= cap + 1e-4, "{mode}: a capped bound {upper} above the cap");
+                    let ceiling = cap + f64::from(perturbations.exponential_upper(pos)) + 1e-3;
+                    assert!(
+                        upper.is_infinite() || f64::from(upper) <= ceiling,
+                        "{mode}: a capped bound {upper} above the cap"
+                    );
                 }
+                assert!(scan.lower_max(g) <= largest, "{mode}: a lower bound above every capped score");
             }
         }
         assert!(bent > 0, "{mode}: no score is bent by the cap");

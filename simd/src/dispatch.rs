@@ -48,6 +48,18 @@ pub(crate) type AddWeightedCodedFn = unsafe fn(weights: &[f32], stride: usize, v
 
 /// Integer dots of a query group with rows of sketch codes (see [`Kernels::sketch_dots`]).
 pub(crate) type SketchDotsFn = unsafe fn(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]);
+/// Integer dots of a query group with listed rows of sketch codes (see [`Kernels::sketch_dots_at`]).
+pub(crate) type SketchDotsAtFn = unsafe fn(codes: &SketchCodes, queries: &[SketchQuery], rows: &[u32], out: &mut [i32]);
+/// The set-up of a sketch query (see [`Kernels::sketch_prepare`]).
+pub(crate) type SketchPrepareFn = unsafe fn(
+    q: &[f32],
+    min: &[f32],
+    step: &[f32],
+    weights: &mut [i8],
+    residuals: &mut [i8],
+) -> (crate::sketch::PrepareScales, crate::sketch::PrepareSums);
+/// Indices of the numbers at or above a threshold (see [`Kernels::select_at_least`]).
+pub(crate) type SelectFn = unsafe fn(values: &[f32], threshold: f32, out: &mut [u32]) -> usize;
 /// Score bounds of a query group over rows of sketch codes (see [`Kernels::sketch_scan`]).
 pub(crate) type SketchScanFn = unsafe fn(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [Bounds]);
 
@@ -114,7 +126,10 @@ pub(crate) struct AttentionKernels {
 #[derive(Clone, Copy)]
 pub(crate) struct SketchKernels {
     pub(crate) dots: SketchDotsFn,
+    pub(crate) dots_at: SketchDotsAtFn,
     pub(crate) bounds: SketchScanFn,
+    pub(crate) select: SelectFn,
+    pub(crate) prepare: SketchPrepareFn,
 }
 
 /// The kernels of one weight format.
@@ -347,7 +362,13 @@ const SCALAR: Kernels = Kernels {
         scores_coded: crate::attention::portable::scores_coded,
         add_weighted_coded: crate::attention::portable::add_weighted_coded,
     },
-    sketch: SketchKernels { dots: crate::sketch::portable::dots, bounds: crate::sketch::portable::bounds },
+    sketch: SketchKernels {
+        dots: crate::sketch::portable::dots,
+        dots_at: crate::sketch::portable::dots_at,
+        bounds: crate::sketch::portable::bounds,
+        select: crate::sketch::portable::select,
+        prepare: crate::sketch::portable::prepare,
+    },
     tiles: [None; WeightType::ALL.len()],
 };
 

@@ -57,7 +57,7 @@ mod sketch;
 mod x86;
 
 pub use dispatch::{kernels, select_isa, CodeRows, Isa, Kernels, ParseIsaError, SelectIsaError};
-pub use sketch::{Bounds, SketchCodes, SketchLayout, SketchQuery};
+pub use sketch::{Bounds, PrepareScales, PrepareSums, SketchCodes, SketchLayout, SketchQuery};
 
 /// Element type of a weight tensor, named and numbered as GGML does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

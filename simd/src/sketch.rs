@@ -120,6 +120,132 @@ impl SketchQuery<'_> {
     }
 }
 
+/// The per-channel terms of a sketch query's set-up, summed over the
+/// channels: what `sift`'s key sketch turns into the bounds' constants (it
+/// derives them). With `a_c = q_c·step_c`, weights `â_c = round(a_c/α)`,
+/// `δ_c = a_c − α·â_c`, residuals `r̂_c = round(δ_c/α₂)` and
+/// `ε_c = δ_c − α₂·r̂_c`:
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrepareSums {
+    /// `Σ q_c·min_c`.
+    pub centre: f32,
+    /// `Σ a_c`.
+    pub a: f32,
+    /// `Σ |a_c|`.
+    pub a_abs: f32,
+    /// `Σ max(δ_c, 0)`.
+    pub above: f32,
+    /// `Σ max(−δ_c, 0)`.
+    pub below: f32,
+    /// `Σ max(ε_c, 0)`.
+    pub residual_above: f32,
+    /// `Σ max(−ε_c, 0)`.
+    pub residual_below: f32,
+    /// `Σ |q_c·min_c|`.
+    pub centre_abs: f32,
+    /// `Σ (|a_c| + |α·â_c|)`.
+    pub scaled_abs: f32,
+    /// `Σ |q_c|·(|min_c| + 255·step_c)`.
+    pub dot: f32,
+    /// `Σ |â_c|`.
+    pub weights: f32,
+    /// `Σ |r̂_c|`.
+    pub residuals: f32,
+}
+
+/// The set-up's scales from `max_c |a_c|`: `α = max/127`, `α₂ = α/248` (so
+/// that `|δ| ≤ α/2` fits 127 steps of it), and their inverses (0 where an
+/// inverse would not be finite: the weights are then 0, which is valid).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrepareScales {
+    /// `α`: the weights' step.
+    pub alpha: f32,
+    /// `α₂`: the residuals' step.
+    pub alpha2: f32,
+    inverse: f32,
+    inverse2: f32,
+}
+
+impl PrepareScales {
+    pub(crate) fn of(a_max: f32) -> Self {
+        let alpha = a_max / 127.0;
+        let alpha2 = alpha / 248.0;
+        let invert = |x: f32| {
+            let inverse = 1.0 / x;
+            if x > 0.0 && inverse.is_finite() {
+                inverse
+            } else {
+                0.0
+            }
+        };
+        Self { alpha, alpha2, inverse: invert(alpha), inverse2: invert(alpha2) }
+    }
+
+    pub(crate) fn inverse(&self) -> f32 {
+        self.inverse
+    }
+
+    pub(crate) fn inverse2(&self) -> f32 {
+        self.inverse2
+    }
+}
+
+/// Lanes of the set-up's sums: channel `c` adds to lane `c mod 16`, and the
+/// lanes are reduced pairwise (`l` with `l + 8`, then `+ 4`, `+ 2`, `+ 1`),
+/// the same on every table.
+pub(crate) const PREPARE_LANES: usize = 16;
+
+/// Adding and taking away 1.5·2^23 rounds to the nearest integer (ties to
+/// even) for |x| < 2^22: f32 has no bits left below 1 there.
+pub(crate) const ROUND: f32 = 12_582_912.0;
+
+/// `x` if above 0, else 0 (as `maxps(x, 0)`: +0 for −0).
+#[inline(always)]
+pub(crate) fn positive(x: f32) -> f32 {
+    if x > 0.0 {
+        x
+    } else {
+        0.0
+    }
+}
+
+/// `x` within `[−127, 127]` (as `maxps(minps(x, 127), −127)`).
+#[inline(always)]
+pub(crate) fn clamp127(x: f32) -> f32 {
+    let x = if x < 127.0 { x } else { 127.0 };
+    if x > -127.0 {
+        x
+    } else {
+        -127.0
+    }
+}
+
+/// The sixteen lanes of each of the twelve sums reduced in the tables'
+/// order.
+pub(crate) fn reduce_prepare(lanes: &[[f32; 8]; 12]) -> PrepareSums {
+    let sums = lanes.map(|l| {
+        let l4: [f32; 4] = core::array::from_fn(|j| l[j] + l[j + 4]);
+        let l2: [f32; 2] = core::array::from_fn(|j| l4[j] + l4[j + 2]);
+        l2[0] + l2[1]
+    });
+    let [centre, a, a_abs, above, below, residual_above, residual_below, centre_abs, scaled_abs, dot, weights, residuals] =
+        sums;
+    PrepareSums {
+        centre,
+        a,
+        a_abs,
+        above,
+        below,
+        residual_above,
+        residual_below,
+        centre_abs,
+        scaled_abs,
+        dot,
+        weights,
+        residuals,
+    }
+}
+
 /// Lower and upper bounds on a score.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Bounds {
@@ -151,17 +277,19 @@ pub(crate) trait BlockDots {
 const BLOCK: usize = 64;
 
 /// Calls `emit(query, dots, out)` for every query with its integer dots
-/// against every row of `codes` and its own `rows`-long part of `out`,
-/// a block of rows at a time.
+/// against rows `row_of(0..rows)` of `codes` and its own `rows`-long part of
+/// `out`, a block of rows at a time.
 ///
 /// # Safety
 /// As [`BlockDots::dots`]; the caller has checked the layout, the number of
-/// weights of every query, and that `out` holds `rows` items per query.
+/// weights of every query, that every `row_of(k)` is a row of `codes`, and
+/// that `out` holds `rows` items per query.
 #[inline(always)]
 unsafe fn scan<D: BlockDots, T>(
     codes: &SketchCodes,
     queries: &[SketchQuery],
     rows: usize,
+    row_of: impl Fn(usize) -> usize + Copy,
     out: &mut [T],
     emit: impl Fn(&SketchQuery, &[i32], &mut [T]) + Copy,
 ) {
@@ -173,12 +301,12 @@ unsafe fn scan<D: BlockDots, T>(
     loop {
         match (queries.len(), codes.layout.bits) {
             (0, _) => break,
-            (1, 4) => unsafe { scan_group::<D, T, 4, 1, 8>(codes, &mut queries, rows, emit) },
-            (2 | 3, 4) => unsafe { scan_group::<D, T, 4, 2, 4>(codes, &mut queries, rows, emit) },
-            (_, 4) => unsafe { scan_group::<D, T, 4, 4, 2>(codes, &mut queries, rows, emit) },
-            (1, _) => unsafe { scan_group::<D, T, 2, 1, 8>(codes, &mut queries, rows, emit) },
-            (2 | 3, _) => unsafe { scan_group::<D, T, 2, 2, 4>(codes, &mut queries, rows, emit) },
-            (_, _) => unsafe { scan_group::<D, T, 2, 4, 2>(codes, &mut queries, rows, emit) },
+            (1, 4) => unsafe { scan_group::<D, T, 4, 1, 8>(codes, &mut queries, rows, row_of, emit) },
+            (2 | 3, 4) => unsafe { scan_group::<D, T, 4, 2, 4>(codes, &mut queries, rows, row_of, emit) },
+            (_, 4) => unsafe { scan_group::<D, T, 4, 4, 2>(codes, &mut queries, rows, row_of, emit) },
+            (1, _) => unsafe { scan_group::<D, T, 2, 1, 8>(codes, &mut queries, rows, row_of, emit) },
+            (2 | 3, _) => unsafe { scan_group::<D, T, 2, 2, 4>(codes, &mut queries, rows, row_of, emit) },
+            (_, _) => unsafe { scan_group::<D, T, 2, 4, 2>(codes, &mut queries, rows, row_of, emit) },
         }
     }
 }
@@ -192,6 +320,7 @@ unsafe fn scan_group<'a, 'q: 'a, D: BlockDots, T: 'a, const BITS: u32, const G: 
     codes: &SketchCodes,
     queries: &mut impl Iterator<Item = (&'a SketchQuery<'q>, &'a mut [T])>,
     rows: usize,
+    row_of: impl Fn(usize) -> usize,
     emit: impl Fn(&SketchQuery, &[i32], &mut [T]),
 ) {
     let mut group: [_; G] = core::array::from_fn(|_| queries.next().expect("a whole group is left"));
@@ -201,7 +330,7 @@ unsafe fn scan_group<'a, 'q: 'a, D: BlockDots, T: 'a, const BITS: u32, const G: 
         let mut dots = [[0i32; BLOCK]; G];
         for j in block.clone().step_by(R) {
             // Past the last row, the block repeats it (and drops its dots).
-            let at = core::array::from_fn(|r| (j + r).min(rows - 1));
+            let at = core::array::from_fn(|r| row_of((j + r).min(rows - 1)));
             // SAFETY: the caller's guarantees are passed on; every row is in bounds.
             let block_dots = unsafe { D::dots::<BITS, G, R>(codes, weights, at) };
             for (dots, block_dots) in dots.iter_mut().zip(block_dots) {
@@ -225,7 +354,24 @@ unsafe fn scan_group<'a, 'q: 'a, D: BlockDots, T: 'a, const BITS: u32, const G: 
 pub(crate) unsafe fn scan_dots<D: BlockDots>(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]) {
     let rows = out.len() / queries.len().max(1);
     // SAFETY: the caller's guarantees are passed on.
-    unsafe { scan::<D, i32>(codes, queries, rows, out, |_, dots, out| out.copy_from_slice(dots)) }
+    unsafe { scan::<D, i32>(codes, queries, rows, |r| r, out, |_, dots, out| out.copy_from_slice(dots)) }
+}
+
+/// The integer dots of every query with rows `rows` of `codes` into `out`,
+/// query after query.
+///
+/// # Safety
+/// As [`scan`]; every row listed is a row of `codes`.
+#[inline(always)]
+pub(crate) unsafe fn scan_dots_at<D: BlockDots>(
+    codes: &SketchCodes,
+    queries: &[SketchQuery],
+    rows: &[u32],
+    out: &mut [i32],
+) {
+    let copy = |_: &SketchQuery, dots: &[i32], out: &mut [i32]| out.copy_from_slice(dots);
+    // SAFETY: the caller's guarantees are passed on.
+    unsafe { scan::<D, i32>(codes, queries, rows.len(), |k| rows[k] as usize, out, copy) }
 }
 
 /// The bounds of every query's score with every row into `out`, query after
@@ -242,7 +388,7 @@ pub(crate) unsafe fn scan_bounds<D: BlockDots>(codes: &SketchCodes, queries: &[S
         }
     };
     // SAFETY: the caller's guarantees are passed on.
-    unsafe { scan::<D, Bounds>(codes, queries, rows, out, emit) }
+    unsafe { scan::<D, Bounds>(codes, queries, rows, |r| r, out, emit) }
 }
 
 /// The portable table's integer dots: plain loops.
@@ -275,14 +421,90 @@ impl BlockDots for Portable {
     }
 }
 
+/// Appends to `out[n..]` the indices `first + i` of the `values[i]` at or
+/// above `threshold`; returns the new count. A store per number and a count
+/// that grows by the comparison: no branch to mispredict.
+#[inline(always)]
+pub(crate) fn select_rest(values: &[f32], first: usize, threshold: f32, out: &mut [u32], mut n: usize) -> usize {
+    for (i, &v) in values.iter().enumerate() {
+        // The slot past the last selected may be written and then left.
+        if let Some(slot) = out.get_mut(n) {
+            *slot = (first + i) as u32;
+        }
+        n += usize::from(v >= threshold);
+    }
+    n
+}
+
 /// The portable table's entries.
 pub(crate) mod portable {
     use super::*;
+
+    /// Table entry: [`Kernels::sketch_prepare`] (lengths checked by the caller).
+    pub(crate) fn prepare(
+        q: &[f32],
+        min: &[f32],
+        step: &[f32],
+        weights: &mut [i8],
+        residuals: &mut [i8],
+    ) -> (PrepareScales, PrepareSums) {
+        let a_max = q.iter().zip(step).fold(0.0f32, |m, (&q, &s)| {
+            let a = (q * s).abs();
+            if a > m {
+                a
+            } else {
+                m
+            }
+        });
+        let scales = PrepareScales::of(a_max);
+        let PrepareScales { alpha, alpha2, inverse, inverse2 } = scales;
+        let mut lanes = [[0.0f32; PREPARE_LANES]; 12];
+        for c in 0..q.len() {
+            let (q, min, step) = (q[c], min[c], step[c]);
+            let a = q * step;
+            let w = clamp127(((a * inverse) + ROUND) - ROUND);
+            let delta = a - alpha * w;
+            let r = clamp127(((delta * inverse2) + ROUND) - ROUND);
+            let residual = delta - alpha2 * r;
+            let centre = q * min;
+            (weights[c], residuals[c]) = (w as i8, r as i8);
+            let terms = [
+                centre,
+                a,
+                a.abs(),
+                positive(delta),
+                positive(-delta),
+                positive(residual),
+                positive(-residual),
+                centre.abs(),
+                a.abs() + (alpha * w).abs(),
+                q.abs() * (min.abs() + 255.0 * step),
+                w.abs(),
+                r.abs(),
+            ];
+            for (lane, term) in lanes.iter_mut().zip(terms) {
+                lane[c % PREPARE_LANES] += term;
+            }
+        }
+        let halves = lanes.map(|l| core::array::from_fn(|j| l[j] + l[j + 8]));
+        (scales, reduce_prepare(&halves))
+    }
 
     /// Table entry: [`scan_dots`] (lengths checked by the caller).
     pub(crate) fn dots(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [i32]) {
         // SAFETY: `Portable` uses no ISA-specific instructions.
         unsafe { scan_dots::<Portable>(codes, queries, out) }
+    }
+
+    /// Table entry: [`scan_dots_at`] (lengths and rows checked by the caller).
+    pub(crate) fn dots_at(codes: &SketchCodes, queries: &[SketchQuery], rows: &[u32], out: &mut [i32]) {
+        // SAFETY: as above.
+        unsafe { scan_dots_at::<Portable>(codes, queries, rows, out) }
+    }
+
+    /// Table entry: [`super::select_rest`] over every number.
+    pub(crate) fn select(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+        select_rest(values, 0, threshold, out, 0)
     }
 
     /// Table entry: [`scan_bounds`] (lengths checked by the caller).
@@ -307,6 +529,57 @@ impl Kernels {
         unsafe { (self.sketch.dots)(codes, queries, out) }
     }
 
+    /// The set-up of a query `q` for a page of codes whose channels have
+    /// minima `min` and steps `step`: the i8 weights and residuals in
+    /// channel order, the scales, and the sums of the per-channel terms
+    /// ([`PrepareSums`]), in f32, the same bits on every table.
+    ///
+    /// # Panics
+    /// If the four lengths differ.
+    pub fn sketch_prepare(
+        &self,
+        q: &[f32],
+        min: &[f32],
+        step: &[f32],
+        weights: &mut [i8],
+        residuals: &mut [i8],
+    ) -> (PrepareScales, PrepareSums) {
+        let n = q.len();
+        assert!(min.len() == n && step.len() == n, "a minimum and a step per channel of the query");
+        assert!(weights.len() == n && residuals.len() == n, "a weight and a residual per channel");
+        // SAFETY: lengths checked above; the table's ISA is supported (see `dispatch`).
+        unsafe { (self.sketch.prepare)(q, min, step, weights, residuals) }
+    }
+
+    /// `out[h · n + k] = Σ_c â_hc · h_{rows[k], c}`: [`Kernels::sketch_dots`]
+    /// at the `n` rows listed (in any order, repeats allowed), as the
+    /// refinement of a few candidate keys reads them.
+    ///
+    /// # Panics
+    /// As [`Kernels::sketch_dots`], and if a row listed is not one of the codes'.
+    pub fn sketch_dots_at(&self, codes: &SketchCodes, queries: &[SketchQuery], rows: &[u32], out: &mut [i32]) {
+        let n = codes.rows();
+        assert!(rows.iter().all(|&r| (r as usize) < n), "a row listed is past the {n} rows");
+        check_queries(codes, queries);
+        assert_eq!(out.len(), rows.len() * queries.len(), "{} queries by {} rows", queries.len(), rows.len());
+        // SAFETY: lengths and rows checked above; the table's ISA is supported (see `dispatch`).
+        unsafe { (self.sketch.dots_at)(codes, queries, rows, out) }
+    }
+
+    /// Writes to `out` the indices `i`, ascending, of the `values[i] ≥
+    /// threshold` (NaN never is), and returns how many: the keys of a pool
+    /// whose perturbed score bound reaches a level's threshold.
+    ///
+    /// # Panics
+    /// If `out` holds fewer than `values.len()` items, or there are `2^32`
+    /// values or more.
+    pub fn select_at_least(&self, values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+        assert!(out.len() >= values.len(), "room for {} indices, not {}", values.len(), out.len());
+        assert!(u32::try_from(values.len()).is_ok(), "{} values are too many to index", values.len());
+        // SAFETY: `out` checked above; the table's ISA is supported (see `dispatch`).
+        unsafe { (self.sketch.select)(values, threshold, out) }
+    }
+
     /// `out[h · n + i]` = query `h`'s [`SketchQuery::bounds`] of its integer
     /// dot with row `i` (as [`Kernels::sketch_dots`] gives it), for the
     /// queries of one KV head, which read each row once for all of them.
@@ -323,7 +596,12 @@ impl Kernels {
 #[track_caller]
 fn check_scan(codes: &SketchCodes, queries: &[SketchQuery], out: usize) {
     let rows = codes.rows();
+    check_queries(codes, queries);
+    assert_eq!(out, rows * queries.len(), "{} queries by {rows} rows", queries.len());
+}
+
+#[track_caller]
+fn check_queries(codes: &SketchCodes, queries: &[SketchQuery]) {
     let weights = codes.layout.weights_len();
     assert!(queries.iter().all(|q| q.weights.len() == weights), "every query needs {weights} weights");
-    assert_eq!(out, rows * queries.len(), "{} queries by {rows} rows", queries.len());
 }

@@ -7,7 +7,7 @@
 mod common;
 
 use common::Rng;
-use proptest::prelude::{any, prop, prop_assert_eq, proptest, ProptestConfig, TestCaseError};
+use proptest::prelude::{any, prop, prop_assert, prop_assert_eq, proptest, ProptestConfig, TestCaseError};
 use simd::{Bounds, Isa, Kernels, SketchCodes, SketchLayout, SketchQuery};
 
 /// Code `c` of a row packed lowest bits first.
@@ -75,6 +75,38 @@ fn check_scan(seed: u64, dim: usize, bits: u32, rows: usize, heads: usize) -> Re
         k.sketch_scan(&sketch, &queries, &mut bounds);
         let bits_of = |b: &[Bounds]| b.iter().map(|b| (b.lower.to_bits(), b.upper.to_bits())).collect::<Vec<_>>();
         prop_assert_eq!(bits_of(&bounds), bits_of(&want_bounds), "bounds on {}", isa);
+        if rows > 0 {
+            // Listed rows, in any order and repeated, as a refinement reads them.
+            let listed: Vec<u32> = (0..rows + 5).map(|_| rng.below(rows) as u32).collect();
+            let want_at: Vec<i32> = (0..heads)
+                .flat_map(|h| listed.iter().map(|&r| want[h * rows + r as usize]).collect::<Vec<_>>())
+                .collect();
+            let mut at = vec![i32::MIN; heads * listed.len()];
+            k.sketch_dots_at(&sketch, &queries, &listed, &mut at);
+            prop_assert_eq!(&at, &want_at, "listed rows on {}", isa);
+        }
+    }
+    Ok(())
+}
+
+/// The selection on every ISA against a plain filter: random numbers, some
+/// equal to the threshold, infinities and NaN among them, every length up to
+/// a few vectors past a block.
+fn check_select(seed: u64, len: usize) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    let threshold = rng.normal() as f32;
+    let values: Vec<f32> = (0..len)
+        .map(|_| match rng.below(10) {
+            0 => threshold,
+            1 => [f32::NEG_INFINITY, f32::INFINITY, f32::NAN][rng.below(3)],
+            _ => (rng.normal() + 1.0) as f32,
+        })
+        .collect();
+    let want: Vec<u32> = (0..len as u32).filter(|&i| values[i as usize] >= threshold).collect();
+    for isa in Isa::available() {
+        let mut out = vec![u32::MAX; len];
+        let n = Kernels::for_isa(isa).unwrap().select_at_least(&values, threshold, &mut out);
+        prop_assert_eq!(&out[..n], &want[..], "selection on {} of {} numbers", isa, len);
     }
     Ok(())
 }
@@ -91,6 +123,75 @@ proptest! {
         heads in 1usize..=7,
     ) {
         check_scan(seed, dim, bits, rows, heads)?;
+    }
+}
+
+/// The set-up on every ISA gives the portable table's bits, and its sums are
+/// those of its own weights within f32's rounding of sums of that many terms
+/// (against f64 sums of the same terms): for queries and channel ranges of
+/// every scale, zeros, and lengths that end inside a vector.
+fn check_prepare(seed: u64, dim: usize, scale: f64) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    let q: Vec<f32> = (0..dim).map(|_| if rng.below(9) == 0 { 0.0 } else { (rng.normal() * scale) as f32 }).collect();
+    let min: Vec<f32> = (0..dim).map(|_| (rng.normal() * 3.0) as f32).collect();
+    let step: Vec<f32> = (0..dim).map(|_| (rng.normal().abs() * 0.05) as f32).collect();
+    let run = |k: &Kernels| {
+        let (mut w, mut r) = (vec![0i8; dim], vec![0i8; dim]);
+        let (scales, sums) = k.sketch_prepare(&q, &min, &step, &mut w, &mut r);
+        (scales, sums, w, r)
+    };
+    let (scales, sums, w, r) = run(&Kernels::for_isa(Isa::Scalar).unwrap());
+    for isa in Isa::available() {
+        let (s2, sums2, w2, r2) = run(&Kernels::for_isa(isa).unwrap());
+        prop_assert_eq!(s2, scales, "scales on {}", isa);
+        prop_assert_eq!(format!("{sums2:?}"), format!("{sums:?}"), "sums on {}", isa);
+        prop_assert_eq!(&w2, &w, "weights on {}", isa);
+        prop_assert_eq!(&r2, &r, "residuals on {}", isa);
+    }
+    // The sums of the weights' own terms, in f64.
+    let (alpha, alpha2) = (f64::from(scales.alpha), f64::from(scales.alpha2));
+    let (mut centre, mut a_abs, mut weights, mut magnitude) = (0.0, 0.0, 0.0, 0.0);
+    for c in 0..dim {
+        let a = f64::from(q[c]) * f64::from(step[c]);
+        prop_assert!(
+            (f64::from(w[c]) - a / alpha).abs() <= 0.5 + 1e-3 || alpha == 0.0,
+            "weight {} of {}",
+            w[c],
+            a / alpha
+        );
+        let delta = a - alpha * f64::from(w[c]);
+        prop_assert!(
+            (f64::from(r[c]) - delta / alpha2).abs() <= 0.5 + 1e-2 || alpha == 0.0,
+            "residual of {}",
+            delta / alpha2
+        );
+        centre += f64::from(q[c]) * f64::from(min[c]);
+        a_abs += a.abs();
+        weights += f64::from(w[c]).abs();
+        magnitude += (f64::from(q[c]) * f64::from(min[c])).abs() + a.abs();
+    }
+    let tolerance = (dim as f64 + 4.0) * 2f64.powi(-23) * magnitude;
+    prop_assert!((f64::from(sums.centre) - centre).abs() <= tolerance, "centre {} vs {centre}", sums.centre);
+    prop_assert!((f64::from(sums.a_abs) - a_abs).abs() <= tolerance, "Σ|a| {} vs {a_abs}", sums.a_abs);
+    prop_assert_eq!(f64::from(sums.weights), weights);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    #[test]
+    fn every_isa_prepares_as_the_portable_table(
+        seed in any::<u64>(),
+        dim in prop::sample::select(vec![1usize, 2, 7, 8, 9, 15, 16, 17, 33, 64, 100, 128, 256]),
+        scale in prop::sample::select(vec![0.0, 1e-30, 1e-3, 1.0, 40.0, 1e20]),
+    ) {
+        check_prepare(seed, dim, scale)?;
+    }
+
+    #[test]
+    fn every_isa_selects_as_a_filter(seed in any::<u64>(), len in 0usize..200) {
+        check_select(seed, len)?;
     }
 }
 

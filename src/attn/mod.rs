@@ -62,6 +62,13 @@ pub struct Scorer {
 /// few units in the last place, 2^-24 each) and in f64.
 const CAP_SLACK: f64 = 1e-6;
 
+/// Scores as dot products themselves (a scale of 1, no cap).
+impl Default for Scorer {
+    fn default() -> Self {
+        Self::scaled(1.0)
+    }
+}
+
 impl Scorer {
     /// Scaling alone, no cap.
     pub fn scaled(scale: f32) -> Self {
@@ -88,6 +95,17 @@ impl Scorer {
         match self.softcap {
             Some(cap) => f64::from(cap) * (s / f64::from(cap)).tanh(),
             None => s,
+        }
+    }
+
+    /// An f32 bound at or above [`Self::score`] of every dot product up to
+    /// `dot`: the scaled dot itself without a cap (rounding is monotone),
+    /// the capped one moved up past `tanh`'s rounding with one.
+    pub fn upper(self, dot: f32) -> f32 {
+        let s = self.score(dot);
+        match self.softcap {
+            None => s,
+            Some(_) => s + s.abs() * CAP_SLACK as f32 + f32::MIN_POSITIVE,
         }
     }
 

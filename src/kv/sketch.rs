@@ -23,22 +23,47 @@
 //! rounding `δ = a - α·â` moves the sum by at most `H·Σ max(δ_c, 0)` up and
 //! `H·Σ min(δ_c, 0)` down, `H` being the largest code. So each key's bounds
 //! are `β·I_i + C±` with `β = 2^t·α`: one integer dot and one multiply-add
-//! per key, with `β` and `C±` set up once per page and query in f64. The
+//! per key, with `β` and `C±` set up once per page and query.
+//!
+//! The **refinement** reads the low 4 bits too: the 8-bit code is
+//! `16·h + f`, so its integer dot is `16·I_i + Σ â_c·f_ic` (the same weights
+//! against the fine plane, [`simd::Kernels::sketch_dots_at`] at the few keys
+//! refined), and the bound is the one above with span 1, offset 0, top 255
+//! and the half-width of an 8-bit code (½ step for exact keys, 0 for keys
+//! that are their 8-bit codes). At 8 bits the weights' rounding `δ` would
+//! dominate (`255·Σ|δ_c|` against `½·Σ|a_c|`), so it is itself quantized,
+//! `δ_c = α₂·r̂_c + ε_c` with `r̂` in i8 and `α₂ = α/248`, and its share
+//! `α₂·Σ r̂_c·h8_ic` is one more pair of integer dots: the bound is
+//! `α·I8_i + α₂·J8_i + C8±`, `C8±` split by `255·Σ max(±ε_c, 0)`.
+//!
+//! The set-up runs in f32 as `simd`'s [`simd::Kernels::sketch_prepare`]
+//! (eight channels a vector, the sums in sixteen lanes reduced in a fixed
+//! order, the same bits on every table), with no division per channel:
+//! `α = max|a_c|/127`, the weights `â_c = round(a_c·(1/α))` by the
+//! add-and-subtract of `1.5·2^23`. The
 //! floating-point slack, all folded into `C±`:
 //!
-//! * f64 set-up: products are exact (f32 × f16) and sums of at most 2^13
-//!   terms err by less than `2^-39` of the sum of their magnitudes `A`;
-//!   `2^-36·A` is added.
-//! * f32 per key, `fl(fl(β·fl(I)) + C)`: three roundings err by at most
-//!   `4u·(|β·I| + |C|)` with `u = 2^-24`, plus under `2^-148` in the
-//!   subnormal range; `2^-21·(β·I_max + |C|) + 2^-126` is added, enough to
-//!   cover the growth of `|C|` by this slack and by its outward rounding.
+//! * f32 set-up: every term (`q_c·min_c`, `a_c·o`, `δ_c` or `ε_c` scaled,
+//!   `w·|a_c|`) carries at most 5 roundings of its inputs, and the computed
+//!   `δ_c` and `ε_c` are within `5u(|a_c| + |α·â_c|)` of the exact
+//!   `a_c − α·â_c` and `δ_c − α₂·r̂_c` (`u = 2^-24`);
+//!   a sum of `n` terms in any order errs by at most `γ_n ≤ 1.01·n·u` of the
+//!   sum of their magnitudes. All of it lies below `5.05·(d + 8)·u·A`, `A`
+//!   bounding the magnitudes of every term
+//!   (`Σ |q_c·min_c| + G·Σ (|a_c| + |α·â_c|)`, `G` the largest factor a
+//!   channel's `a` or `δ` is multiplied by, plus 1); `8·(d + 8)·u·A` is
+//!   added, which also covers the rounding of `A` itself.
+//! * f32 per key, `fl(fl(β·fl(I)) + C)`: three roundings (six for the
+//!   refinement's two products) err by at most `7u·(|β·I| + |C|)`, plus
+//!   under `2^-148` in the subnormal range;
+//!   `2^-20·(β·I_max + |C|) + 2^-126` is added, enough to cover the growth
+//!   of `|C|` by this slack and the roundings of `C`'s own last sums.
 //! * The caller's own score: the bounds also hold for `q·k` computed in f32,
 //!   in any order and from keys dequantized in f32, because
 //!   `γ_{d+2}·Σ |q_c|·max|k_c| ≤ 2(d + 2)·u·Σ |q_c|·(|min_c| + 255·step_c)`
-//!   is added as well.
+//!   is added as well (twice over, the sum being in f32).
 //!
-//! Should the magnitudes approach f32's range (2^120), the bounds become
+//! Should the magnitudes approach f32's range (2^100), the bounds become
 //! infinite, which is still true.
 //!
 //! # The scan
@@ -52,7 +77,8 @@
 //! at once, reading each key's codes once for all of them.
 
 use half::f16;
-use simd::{CodeRows, SketchCodes, SketchLayout, SketchQuery};
+use half::slice::HalfFloatSliceExt;
+use simd::{CodeRows, PrepareSums, SketchCodes, SketchLayout, SketchQuery};
 
 use std::ops::Range;
 
@@ -115,7 +141,8 @@ pub use simd::Bounds;
 pub struct KeySketch {
     dim: usize,
     keys: PageKeys,
-    channels: Vec<Affine>,
+    /// The channels' minima, then their steps.
+    affine: Vec<f16>,
     /// Per key row: the scanned bits of every channel's code, packed.
     coarse: Vec<u8>,
     /// Per key row: the low 4 bits of every code, packed; only where all 8
@@ -130,7 +157,7 @@ impl KeySketch {
         Self {
             dim,
             keys,
-            channels: vec![Affine::default(); dim],
+            affine: vec![f16::ZERO; 2 * dim],
             coarse: vec![0; PAGE * packed_len(dim, keys.scanned())],
             fine: vec![0; fine],
         }
@@ -147,15 +174,16 @@ impl KeySketch {
     pub fn fill(&mut self, keys: &[f16]) {
         assert_eq!(keys.len(), PAGE * self.dim, "a sketch covers one whole page");
         let (dim, scanned) = (self.dim, self.keys.scanned());
-        for (c, affine) in self.channels.iter_mut().enumerate() {
-            *affine = Affine::fit(keys.iter().skip(c).step_by(dim).copied());
+        for c in 0..dim {
+            let affine = Affine::fit(keys.iter().skip(c).step_by(dim).copied());
+            (self.affine[c], self.affine[dim + c]) = (affine.min, affine.step);
         }
         self.coarse.fill(0);
         self.fine.fill(0);
         let (coarse_len, fine_len) = (packed_len(dim, scanned), packed_len(dim, Bits::Four));
         for (i, key) in keys.chunks_exact(dim).enumerate() {
-            for (c, (&x, affine)) in key.iter().zip(&self.channels).enumerate() {
-                let code = affine.code(x);
+            for (c, &x) in key.iter().enumerate() {
+                let code = self.channel(c).code(x);
                 pack(&mut self.coarse[i * coarse_len..][..coarse_len], c, scanned, scanned.narrow(code));
                 if !self.fine.is_empty() {
                     pack(&mut self.fine[i * fine_len..][..fine_len], c, Bits::Four, code & 0xf);
@@ -165,14 +193,19 @@ impl KeySketch {
     }
 
     pub fn bytes(&self) -> usize {
-        std::mem::size_of_val(self.channels.as_slice()) + self.coarse.len() + self.fine.len()
+        std::mem::size_of_val(self.affine.as_slice()) + self.coarse.len() + self.fine.len()
+    }
+
+    /// Channel `c`'s minimum and step.
+    fn channel(&self, c: usize) -> Affine {
+        Affine { min: self.affine[c], step: self.affine[self.dim + c] }
     }
 
     /// Key `i` at all the kept bits: for coded pages, the key itself.
     pub fn dequantize_key(&self, i: usize, out: &mut [f32]) {
         let kept = self.keys.kept();
-        for (c, (o, affine)) in out[..self.dim].iter_mut().zip(&self.channels).enumerate() {
-            *o = affine.level(self.code(i, c, kept), kept);
+        for (c, o) in out[..self.dim].iter_mut().enumerate() {
+            *o = self.channel(c).level(self.code(i, c, kept), kept);
         }
     }
 
@@ -190,9 +223,8 @@ impl KeySketch {
     pub fn code_rows<'a>(&'a self, rows: Range<usize>, affine: &'a mut Vec<f32>) -> CodeRows<'a> {
         let (kept, scanned, dim) = (self.keys.kept(), self.keys.scanned(), self.dim);
         let (coarse_len, fine_len) = (packed_len(dim, scanned), packed_len(dim, Bits::Four));
-        affine.clear();
-        affine.extend(self.channels.iter().map(|a| a.min.to_f32()));
-        affine.extend(self.channels.iter().map(|a| a.step.to_f32()));
+        affine.resize(2 * dim, 0.0);
+        self.affine.convert_to_f32_slice(affine);
         let (min, step) = affine.split_at(dim);
         CodeRows {
             dim,
@@ -251,20 +283,70 @@ impl KeySketch {
 
     /// Bounds on `q·k_i` from all the kept bits (8, unless the keys are
     /// coded narrower), within the scan's bounds: refining never loosens.
-    /// `query` must be `q` prepared for this page.
-    pub fn refine(&self, q: &[f32], query: &ScanQuery, i: usize) -> Bounds {
-        let kept = self.keys.kept();
-        let w = self.keys.half_width(kept);
-        let mut sum = Slack::default();
-        for (c, (&qc, affine)) in q.iter().zip(&self.channels).enumerate() {
-            let (min, a) = channel(qc, affine);
-            sum.add(qc as f64 * min + a * kept.offset(self.code(i, c, kept)));
-            sum.widen(w * a.abs());
-            sum.widen_f32(qc, affine);
+    /// `query` must be prepared for this page.
+    pub fn refine(&self, query: &ScanQuery, i: usize) -> Bounds {
+        let mut out = [Bounds::default()];
+        self.refine_heads(std::slice::from_ref(query), &[i as u32], &mut Vec::new(), &mut out);
+        out[0]
+    }
+
+    /// [`Self::refine`] of keys `rows` for several queries (the query heads
+    /// of one KV head), each prepared for this page: `out[h·n + k]` bounds
+    /// query `h`'s score of key `rows[k]`, `n = rows.len()`. Each key's
+    /// codes are read once for all of them; `dots` is scratch. Where the
+    /// sketch keeps no more bits than it scans, these are the scan's bounds.
+    pub fn refine_heads(&self, queries: &[ScanQuery], rows: &[u32], dots: &mut Vec<i32>, out: &mut [Bounds]) {
+        let n = rows.len();
+        let len = queries.len() * n;
+        assert_eq!(out.len(), len, "a bound per query and row");
+        let kernels = simd::kernels();
+        let coarse = self.scan_codes(0..PAGE);
+        if !self.refines() {
+            let weights: Vec<SketchQuery> = queries.iter().map(ScanQuery::view).collect();
+            dots.clear();
+            dots.resize(len, 0);
+            kernels.sketch_dots_at(&coarse, &weights, rows, dots);
+            for (k, o) in out.iter_mut().enumerate() {
+                *o = weights[k / n].bounds(dots[k]);
+            }
+            return;
         }
-        let coarse = query.bounds(self.integer_dot(query, i));
-        let exact = sum.bounds(self.dim, None);
-        Bounds { lower: exact.lower.max(coarse.lower), upper: exact.upper.min(coarse.upper) }
+        // Per plane, the weights' dots (query after query), then the residuals'.
+        let both: Vec<SketchQuery> =
+            queries.iter().map(ScanQuery::view).chain(queries.iter().map(ScanQuery::residual_view)).collect();
+        dots.clear();
+        dots.resize(4 * len, 0);
+        let (coarse_dots, fine_dots) = dots.split_at_mut(2 * len);
+        let fine = SketchCodes { layout: SketchLayout { dim: self.dim, bits: 4 }, codes: &self.fine };
+        kernels.sketch_dots_at(&coarse, &both, rows, coarse_dots);
+        kernels.sketch_dots_at(&fine, &both, rows, fine_dots);
+        // The 8-bit code is the 4 scanned bits above the 4 fine ones.
+        let code_dot = |k: usize| 16 * i64::from(dots[k]) + i64::from(dots[2 * len + k]);
+        for (k, o) in out.iter_mut().enumerate() {
+            let query = &queries[k / n];
+            let scanned = query.view().bounds(dots[k]);
+            let fine = query.fine.bounds(code_dot(k), code_dot(len + k));
+            *o = Bounds { lower: fine.lower.max(scanned.lower), upper: fine.upper.min(scanned.upper) };
+        }
+    }
+
+    /// Whether [`Self::refine`] reads more bits than the scan.
+    pub fn refines(&self) -> bool {
+        !self.fine.is_empty()
+    }
+
+    /// The bytes [`Self::refine_heads`] reads per key: its scanned and its
+    /// fine codes.
+    pub fn refinement_bytes(&self) -> usize {
+        let row = |bits| packed_len(self.dim, bits);
+        row(self.keys.scanned()) + if self.refines() { row(Bits::Four) } else { 0 }
+    }
+
+    /// The channels' minima then steps, in f32, as [`ScanQuery::prepare_with`]
+    /// takes them.
+    pub fn affine_f32(&self, out: &mut Vec<f32>) {
+        out.resize(2 * self.dim, 0.0);
+        self.affine.convert_to_f32_slice(out);
     }
 
     /// An upper bound on `q·k` over every key of the page, from the
@@ -272,18 +354,13 @@ impl KeySketch {
     pub fn page_upper_bound(&self, q: &[f32]) -> f32 {
         let (low, high) = self.keys.extent();
         let mut sum = Slack::default();
-        for (&qc, affine) in q.iter().zip(&self.channels) {
-            let (min, a) = channel(qc, affine);
+        for (c, &qc) in q.iter().enumerate() {
+            let affine = self.channel(c);
+            let (min, a) = channel(qc, &affine);
             sum.add(qc as f64 * min + (a * low).max(a * high));
-            sum.widen_f32(qc, affine);
+            sum.widen_f32(qc, &affine);
         }
-        sum.bounds(self.dim, None).upper
-    }
-
-    fn integer_dot(&self, query: &ScanQuery, i: usize) -> i32 {
-        let mut dot = [0];
-        simd::kernels().sketch_dots(&self.scan_codes(i..i + 1), &[query.view()], &mut dot);
-        dot[0]
+        sum.bounds(self.dim).upper
     }
 }
 
@@ -293,69 +370,179 @@ fn channel(qc: f32, affine: &Affine) -> (f64, f64) {
 }
 
 /// A query prepared for scanning one page: weights in i8 (in the scan's
-/// order) and the per-page constants of the module's bound. Reused from page
-/// to page.
+/// order) and the per-page constants of the module's bound, for the scanned
+/// codes and for the 8-bit ones. Reused from page to page.
 #[derive(Default)]
 pub struct ScanQuery {
     weights: Vec<i8>,
+    /// The weights' residuals `r̂_c ≈ δ_c/α₂`, for the refinement.
+    residuals: Vec<i8>,
     beta: f32,
+    lower: f32,
+    upper: f32,
+    /// The 8-bit bound's constants (where the sketch keeps 8 bits).
+    fine: FineBound,
+    /// The weights and residuals in channel order, padded to whole code
+    /// bytes.
+    channel_weights: Vec<i8>,
+    channel_residuals: Vec<i8>,
+}
+
+/// `fl(fl(fl(α·fl(I)) + fl(α₂·fl(J))) + C±)` for the integer dots `I`, `J`
+/// of the 8-bit codes with the weights and with their residuals.
+#[derive(Clone, Copy, Debug, Default)]
+struct FineBound {
+    alpha: f32,
+    alpha2: f32,
     lower: f32,
     upper: f32,
 }
 
-impl ScanQuery {
-    pub fn prepare(&mut self, sketch: &KeySketch, q: &[f32]) {
-        assert_eq!(q.len(), sketch.dim, "query and keys differ in size");
-        let bits = sketch.keys.scanned();
-        let (span, top) = (f64::from(bits.span()), f64::from(bits.max_code()));
-        let w = sketch.keys.half_width(bits);
-        let a_max = q.iter().zip(&sketch.channels).map(|(&qc, affine)| channel(qc, affine).1.abs()).fold(0.0, f64::max);
-        // α is an f32 (the scan multiplies in f32); any value would do, as
-        // its rounding is measured in δ below.
-        let alpha = (a_max / 127.0) as f32;
+impl FineBound {
+    fn bounds(&self, dot: i64, residual: i64) -> Bounds {
+        let x = self.alpha * dot as f32 + self.alpha2 * residual as f32;
+        Bounds { lower: x + self.lower, upper: x + self.upper }
+    }
+}
 
-        let layout = sketch.scan_layout();
-        self.weights.clear();
-        self.weights.resize(layout.weights_len(), 0);
-        let mut sum = Slack::default();
-        let mut i_max = 0.0;
-        for (c, (&qc, affine)) in q.iter().zip(&sketch.channels).enumerate() {
-            let (min, a) = channel(qc, affine);
-            let weight = if alpha > 0.0 { (a / alpha as f64).round().clamp(-127.0, 127.0) } else { 0.0 };
-            self.weights[layout.weight_slot(c)] = weight as i8;
-            i_max += weight.abs() * top;
-            let delta = a - alpha as f64 * weight;
-            sum.add(qc as f64 * min + a * bits.offset(0));
-            sum.split(span * top * delta);
-            sum.widen(w * a.abs());
-            sum.widen_f32(qc, affine);
-        }
-        self.beta = alpha * span as f32;
-        let b = sum.bounds(sketch.dim, Some(self.beta as f64 * i_max));
-        (self.lower, self.upper) = (b.lower, b.upper);
-        if !(self.beta.is_finite() && b.lower.is_finite() && b.upper.is_finite()) {
-            (self.beta, self.lower, self.upper) = (0.0, f32::NEG_INFINITY, f32::INFINITY);
-        }
+impl ScanQuery {
+    /// Prepares `q` for `sketch`'s page.
+    pub fn prepare(&mut self, sketch: &KeySketch, q: &[f32]) {
+        let mut affine = Vec::new();
+        sketch.affine_f32(&mut affine);
+        self.prepare_with(sketch, q, &affine);
     }
 
-    /// The bounds for a key whose integer dot product is `dot`.
-    fn bounds(&self, dot: i32) -> Bounds {
-        self.view().bounds(dot)
+    /// Prepares `q` for `sketch`'s page, whose minima and steps `affine`
+    /// holds ([`KeySketch::affine_f32`]: the query heads of a KV head share
+    /// them). All in f32, each sum in [`LANES`] lanes; the module's note
+    /// derives the slack that makes the constants bounds.
+    pub fn prepare_with(&mut self, sketch: &KeySketch, q: &[f32], affine: &[f32]) {
+        let dim = sketch.dim;
+        assert_eq!(q.len(), dim, "query and keys differ in size");
+        assert_eq!(affine.len(), 2 * dim, "a minimum and a step per channel");
+        let (min, step) = affine.split_at(dim);
+        let layout = sketch.scan_layout();
+        for channel in [&mut self.channel_weights, &mut self.channel_residuals] {
+            channel.clear();
+            channel.resize(layout.weights_len(), 0);
+        }
+        let (scales, sums) = simd::kernels().sketch_prepare(
+            q,
+            min,
+            step,
+            &mut self.channel_weights[..dim],
+            &mut self.channel_residuals[..dim],
+        );
+        let (alpha, alpha2) = (scales.alpha, scales.alpha2);
+        for (planes, channel) in
+            [(&mut self.weights, &self.channel_weights), (&mut self.residuals, &self.channel_residuals)]
+        {
+            planes.clear();
+            planes.resize(layout.weights_len(), 0);
+            match layout.fields() {
+                2 => into_planes::<2>(channel, planes),
+                _ => into_planes::<4>(channel, planes),
+            }
+        }
+
+        let bits = sketch.keys.scanned();
+        let (span, top) = (bits.span() as f32, f32::from(bits.max_code()));
+        let (offset, width) = (bits.offset(0) as f32, sketch.keys.half_width(bits) as f32);
+        // (Only where all 8 bits are kept: narrower codes have no 8-bit bound.)
+        let fine_width = if sketch.refines() { sketch.keys.half_width(Bits::Eight) as f32 } else { 0.0 };
+        let PrepareSums {
+            centre,
+            a,
+            a_abs,
+            above,
+            below,
+            residual_above,
+            residual_below,
+            centre_abs,
+            scaled_abs,
+            dot,
+            weights,
+            residuals,
+        } = sums;
+        let magnitude = centre_abs + scaled_abs * (1.0 + offset + width + span * top + 3.0 * 255.0 + fine_width);
+        let set_up = (dim as f32 + 8.0) * 2f32.powi(-21) * magnitude + (dim as f32 + 2.0) * 2f32.powi(-22) * dot;
+        // The scanned codes: β·I + centre + offset·Σa ± (span·top·δ± + width·Σ|a|).
+        self.beta = alpha * span;
+        let coarse = Constants {
+            centre: centre + offset * a,
+            above: span * top * above + width * a_abs,
+            below: span * top * below + width * a_abs,
+            dot_max: self.beta * top * weights,
+            set_up,
+        };
+        (self.lower, self.upper) = coarse.ends();
+        // The 8-bit codes: span 1, offset 0, `δ` split once more.
+        let fine = Constants {
+            centre,
+            above: 255.0 * residual_above + fine_width * a_abs,
+            below: 255.0 * residual_below + fine_width * a_abs,
+            dot_max: 255.0 * (alpha * weights + alpha2 * residuals),
+            set_up,
+        };
+        let (lower, upper) = fine.ends();
+        self.fine = FineBound { alpha, alpha2, lower, upper };
+        let finite = [magnitude, dot, self.beta, self.lower, self.upper, lower, upper].iter().all(|x| x.is_finite());
+        if !finite || magnitude + dot > 2f32.powi(100) {
+            (self.beta, self.lower, self.upper) = (0.0, f32::NEG_INFINITY, f32::INFINITY);
+            self.fine = FineBound { alpha: 0.0, alpha2: 0.0, lower: f32::NEG_INFINITY, upper: f32::INFINITY };
+        }
     }
 
     /// The query as the SIMD scan takes it.
     fn view(&self) -> SketchQuery<'_> {
         SketchQuery { weights: &self.weights, beta: self.beta, lower: self.lower, upper: self.upper }
     }
+
+    /// The residual weights, for the refinement's integer dots.
+    fn residual_view(&self) -> SketchQuery<'_> {
+        SketchQuery { weights: &self.residuals, ..self.view() }
+    }
 }
 
-/// An interval `[centre - below, centre + above]` summed in f64, with the
-/// magnitude of its terms, to be rounded outward to f32.
+/// Weights in channel order (padded to whole code bytes) into the scan's
+/// planes: plane `j` holds field `j` of every code byte.
+fn into_planes<const FIELDS: usize>(channel: &[i8], planes: &mut [i8]) {
+    let row_bytes = planes.len() / FIELDS;
+    for (j, plane) in planes.chunks_exact_mut(row_bytes).enumerate() {
+        for (m, w) in plane.iter_mut().enumerate() {
+            *w = channel[m * FIELDS + j];
+        }
+    }
+}
+
+/// One bound's constants before rounding: `C± = centre ± above/below`, and
+/// what the slack is made of.
+struct Constants {
+    centre: f32,
+    above: f32,
+    below: f32,
+    /// At least `|β·I|` for every key.
+    dot_max: f32,
+    /// The set-up's rounding and the caller's f32 dot.
+    set_up: f32,
+}
+
+impl Constants {
+    /// `(C₋, C₊)`, each moved out by the set-up's slack and by that of the
+    /// per-key `fl(fl(β·fl(I)) + C)` and of its own sums.
+    fn ends(&self) -> (f32, f32) {
+        let size = self.centre.abs() + self.above.max(self.below);
+        let slack = self.set_up + 2f32.powi(-20) * (self.dot_max + size) + 2f32.powi(-126);
+        (self.centre - self.below - slack, self.centre + self.above + slack)
+    }
+}
+
+/// A sum in f64 with the magnitude of its terms, to be rounded outward to
+/// f32 with the slack of the f64 sums and of the caller's f32 dot.
 #[derive(Default)]
 struct Slack {
     centre: f64,
-    below: f64,
-    above: f64,
     magnitude: f64,
     /// `Σ |q_c|·max|k_c|`, for the slack of the caller's f32 dot.
     dot_magnitude: f64,
@@ -367,42 +554,20 @@ impl Slack {
         self.magnitude += x.abs();
     }
 
-    /// A term known only to lie in `[-r, r]`.
-    fn widen(&mut self, r: f64) {
-        self.below += r;
-        self.above += r;
-        self.magnitude += r;
-    }
-
-    /// A term known only to lie between 0 and `x` (either sign).
-    fn split(&mut self, x: f64) {
-        if x > 0.0 {
-            self.above += x;
-        } else {
-            self.below -= x;
-        }
-        self.magnitude += x.abs();
-    }
-
     fn widen_f32(&mut self, qc: f32, affine: &Affine) {
         let (min, step) = (affine.min.to_f64(), affine.step.to_f64());
         self.dot_magnitude += (qc as f64).abs() * (min.abs() + 255.0 * step);
     }
 
-    /// The interval rounded outward to f32, with the slack of the f64 sums
-    /// and of the caller's f32 dot. With `scan = Some(m)` the ends are the
-    /// constants `C±` of a scan's `fl(fl(β·fl(I)) + C±)` with `|β·I| ≤ m`,
-    /// and carry the slack of its three roundings too.
-    fn bounds(&self, dim: usize, scan: Option<f64>) -> Bounds {
+    /// The sum rounded outward to f32, with the slack of the f64 sums and
+    /// of the caller's f32 dot.
+    fn bounds(&self, dim: usize) -> Bounds {
         let dot = 2.0 * (dim as f64 + 2.0) * 2f64.powi(-24) * self.dot_magnitude;
         let set_up = 2f64.powi(-36) * self.magnitude;
-        let scanned = scan.unwrap_or(0.0);
-        if self.magnitude + dot + scanned > 2f64.powi(120) {
+        if self.magnitude + dot > 2f64.powi(120) {
             return Bounds { lower: f32::NEG_INFINITY, upper: f32::INFINITY };
         }
-        let (lower, upper) = (self.centre - self.below - dot - set_up, self.centre + self.above + dot + set_up);
-        let per_key = |c: f64| scan.map_or(0.0, |m| 2f64.powi(-21) * (m + c.abs()) + 2f64.powi(-126));
-        Bounds { lower: f32_down(lower - per_key(lower)), upper: f32_up(upper + per_key(upper)) }
+        Bounds { lower: f32_down(self.centre - dot - set_up), upper: f32_up(self.centre + dot + set_up) }
     }
 }
 

@@ -15,7 +15,7 @@ use core::arch::x86_64::*;
 
 use super::{load32, reduce8x8, Avx2, Avx512, AvxVnni, IsaOps};
 use crate::dispatch::SketchKernels;
-use crate::sketch::{BlockDots, Bounds, SketchCodes, SketchQuery};
+use crate::sketch::{reduce_prepare, BlockDots, Bounds, PrepareScales, PrepareSums, SketchCodes, SketchQuery, ROUND};
 
 /// Bytes of codes per vector.
 const VECTOR: usize = 32;
@@ -127,6 +127,14 @@ macro_rules! sketch_entries {
             }
 
             /// # Safety
+            /// The CPU must support the features; lengths and rows as `Kernels::sketch_dots_at` checks.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn dots_at(codes: &SketchCodes, queries: &[SketchQuery], rows: &[u32], out: &mut [i32]) {
+                // SAFETY: this function enables the features.
+                unsafe { crate::sketch::scan_dots_at::<$I>(codes, queries, rows, out) }
+            }
+
+            /// # Safety
             /// The CPU must support the features; lengths as `Kernels::sketch_scan` checks.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn bounds(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [Bounds]) {
@@ -142,11 +150,197 @@ sketch_entries!(avx2, Avx2, "avx2,fma,f16c");
 sketch_entries!(avxvnni, AvxVnni, "avx2,fma,f16c,avxvnni");
 sketch_entries!(avx512, Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
 
+/// `Kernels::select_at_least` on AVX2: eight comparisons a vector, their
+/// mask's set bits written out one by one (the keys selected are few).
+///
+/// # Safety
+/// The CPU must support AVX2; `out` holds at least `values.len()` items.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn select_at_least_avx2(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+    let (chunks, rest) = values.as_chunks::<8>();
+    let t = _mm256_set1_ps(threshold);
+    let mut n = 0;
+    for (c, chunk) in chunks.iter().enumerate() {
+        // SAFETY: the chunk holds the eight numbers loaded.
+        let v = unsafe { _mm256_loadu_ps(chunk.as_ptr()) };
+        let mut mask = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(v, t)) as u32;
+        while mask != 0 {
+            out[n] = (c * 8) as u32 + mask.trailing_zeros();
+            n += 1;
+            mask &= mask - 1;
+        }
+    }
+    crate::sketch::select_rest(rest, values.len() - rest.len(), threshold, out, n)
+}
+
+/// `Kernels::select_at_least` on AVX-512: sixteen comparisons a vector, the
+/// selected indices compressed in a register and stored whole (a store to
+/// memory under a compress mask is slow on Zen 4); the store's spare lanes
+/// land on items that later ones overwrite, or past the count.
+///
+/// # Safety
+/// The CPU must support AVX-512F; `out` holds at least `values.len()` items.
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+unsafe fn select_at_least_avx512(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+    let (chunks, rest) = values.as_chunks::<16>();
+    let t = _mm512_set1_ps(threshold);
+    let sixteen = _mm512_set1_epi32(16);
+    let mut index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let mut n = 0;
+    for chunk in chunks {
+        // SAFETY: the chunk holds the sixteen numbers loaded.
+        let v = unsafe { _mm512_loadu_ps(chunk.as_ptr()) };
+        let mask = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(v, t);
+        if mask != 0 {
+            // SAFETY: `n` is at most the chunk's first index, so the sixteen
+            // items stored lie within `out`, which holds `values.len()`.
+            unsafe {
+                _mm512_storeu_epi32(out[n..n + 16].as_mut_ptr().cast(), _mm512_maskz_compress_epi32(mask, index))
+            };
+            n += mask.count_ones() as usize;
+        }
+        index = _mm512_add_epi32(index, sixteen);
+    }
+    crate::sketch::select_rest(rest, values.len() - rest.len(), threshold, out, n)
+}
+
+/// `Kernels::sketch_prepare` in ymm registers, for every x86 table: eight
+/// channels a vector, chunk `k` adding to the half `k mod 2` of the sixteen
+/// lanes, every operation the portable one's (no fused multiply-adds), so
+/// the bits are the same.
+///
+/// # Safety
+/// The CPU must support AVX2; the lengths are equal.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn prepare_avx2(
+    q: &[f32],
+    min: &[f32],
+    step: &[f32],
+    weights: &mut [i8],
+    residuals: &mut [i8],
+) -> (PrepareScales, PrepareSums) {
+    let n = q.len();
+    let load = |x: &[f32], c: usize| -> __m256 {
+        match x[c..].first_chunk::<8>() {
+            // SAFETY: eight numbers of the slice.
+            Some(lanes) => unsafe { _mm256_loadu_ps(lanes.as_ptr()) },
+            None => {
+                let mut lanes = [0.0f32; 8];
+                lanes[..n - c].copy_from_slice(&x[c..]);
+                // SAFETY: eight numbers on the stack.
+                unsafe { _mm256_loadu_ps(lanes.as_ptr()) }
+            }
+        }
+    };
+    let sign = _mm256_set1_ps(-0.0);
+    let abs = |x: __m256| _mm256_andnot_ps(sign, x);
+    let mut most = _mm256_setzero_ps();
+    for c in (0..n).step_by(8) {
+        most = _mm256_max_ps(abs(_mm256_mul_ps(load(q, c), load(step, c))), most);
+    }
+    let lanes: [f32; 8] = bytemuck::cast(most);
+    let a_max = lanes.iter().fold(0.0f32, |m, &a| if a > m { a } else { m });
+    let scales = PrepareScales::of(a_max);
+    let splat = _mm256_set1_ps;
+    let (alpha, alpha2) = (splat(scales.alpha), splat(scales.alpha2));
+    let (inverse, inverse2) = (splat(scales.inverse()), splat(scales.inverse2()));
+    let (round, top, bottom, zero, top_code) =
+        (splat(ROUND), splat(127.0), splat(-127.0), _mm256_setzero_ps(), splat(255.0));
+    let rounded = |x: __m256| _mm256_max_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_add_ps(x, round), round), top), bottom);
+    let mut acc = [[_mm256_setzero_ps(); 2]; 12];
+    for (k, c) in (0..n).step_by(8).enumerate() {
+        let (qv, minv, stepv) = (load(q, c), load(min, c), load(step, c));
+        let a = _mm256_mul_ps(qv, stepv);
+        let w = rounded(_mm256_mul_ps(a, inverse));
+        let aw = _mm256_mul_ps(alpha, w);
+        let delta = _mm256_sub_ps(a, aw);
+        let r = rounded(_mm256_mul_ps(delta, inverse2));
+        let residual = _mm256_sub_ps(delta, _mm256_mul_ps(alpha2, r));
+        let centre = _mm256_mul_ps(qv, minv);
+        let minus = |x: __m256| _mm256_xor_ps(sign, x);
+        let terms = [
+            centre,
+            a,
+            abs(a),
+            _mm256_max_ps(delta, zero),
+            _mm256_max_ps(minus(delta), zero),
+            _mm256_max_ps(residual, zero),
+            _mm256_max_ps(minus(residual), zero),
+            abs(centre),
+            _mm256_add_ps(abs(a), abs(aw)),
+            _mm256_mul_ps(abs(qv), _mm256_add_ps(abs(minv), _mm256_mul_ps(top_code, stepv))),
+            abs(w),
+            abs(r),
+        ];
+        for (acc, term) in acc.iter_mut().zip(terms) {
+            acc[k % 2] = _mm256_add_ps(acc[k % 2], term);
+        }
+        let (w, r): ([f32; 8], [f32; 8]) = (bytemuck::cast(w), bytemuck::cast(r));
+        let len = (n - c).min(8);
+        for j in 0..len {
+            (weights[c + j], residuals[c + j]) = (w[j] as i8, r[j] as i8);
+        }
+    }
+    let halves = acc.map(|[low, high]| bytemuck::cast::<__m256, [f32; 8]>(_mm256_add_ps(low, high)));
+    (scales, reduce_prepare(&halves))
+}
+
+/// Table entry over [`prepare_avx2`].
+///
+/// # Safety
+/// As [`prepare_avx2`].
+unsafe fn prepare_entry(
+    q: &[f32],
+    min: &[f32],
+    step: &[f32],
+    weights: &mut [i8],
+    residuals: &mut [i8],
+) -> (PrepareScales, PrepareSums) {
+    // SAFETY: passed on.
+    unsafe { prepare_avx2(q, min, step, weights, residuals) }
+}
+
+/// Table entry over [`select_at_least_avx2`].
+///
+/// # Safety
+/// As [`select_at_least_avx2`].
+unsafe fn select_avx2(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+    // SAFETY: passed on.
+    unsafe { select_at_least_avx2(values, threshold, out) }
+}
+
+/// Table entry over [`select_at_least_avx512`].
+///
+/// # Safety
+/// As [`select_at_least_avx512`].
+unsafe fn select_avx512(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+    // SAFETY: passed on.
+    unsafe { select_at_least_avx512(values, threshold, out) }
+}
+
 /// The AVX2 scan entries.
-pub(super) const AVX2: SketchKernels = SketchKernels { dots: avx2::dots, bounds: avx2::bounds };
+pub(super) const AVX2: SketchKernels = SketchKernels {
+    dots: avx2::dots,
+    dots_at: avx2::dots_at,
+    bounds: avx2::bounds,
+    select: select_avx2,
+    prepare: prepare_entry,
+};
 
 /// The AVX-VNNI scan entries.
-pub(super) const AVXVNNI: SketchKernels = SketchKernels { dots: avxvnni::dots, bounds: avxvnni::bounds };
+pub(super) const AVXVNNI: SketchKernels = SketchKernels {
+    dots: avxvnni::dots,
+    dots_at: avxvnni::dots_at,
+    bounds: avxvnni::bounds,
+    select: select_avx2,
+    prepare: prepare_entry,
+};
 
 /// The AVX-512 VNNI scan entries.
-pub(super) const AVX512: SketchKernels = SketchKernels { dots: avx512::dots, bounds: avx512::bounds };
+pub(super) const AVX512: SketchKernels = SketchKernels {
+    dots: avx512::dots,
+    dots_at: avx512::dots_at,
+    bounds: avx512::bounds,
+    select: select_avx512,
+    prepare: prepare_entry,
+};

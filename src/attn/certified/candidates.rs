@@ -3,17 +3,21 @@
 //!
 //! For one KV head at one decoding step, [`GroupScan`] scans the 4-bit
 //! sketch of every pool page once for all the query heads of the group
-//! (`KeySketch::scan_heads`), and keeps per head and pool key the bounds
-//! `l_i ≤ s_i ≤ u_i` on the score `s_i = scale·q·k_i`, soft-capped where
-//! the model caps (the sketch bounds `q·k` for the f32 dot of the query
-//! given, in any order; [`Scorer::bounds`] carries them to the score, in
-//! f32 and in f64).
+//! (`KeySketch::scan_heads`, after `ScanQuery::prepare_with` has set up each
+//! head's weights and constants from the page's minima and steps, converted
+//! once for the group), and keeps per head the largest lower bound and per
+//! pool key an upper bound on the *perturbed* score, `p_i ≥ s_i + E_i`, in
+//! f32: [`Scorer::upper`] of the bound `u_i` on `q·k` bounds the score as
+//! the policy computes it (`fl(scale·fl(q·k))`, rounding being monotone;
+//! soft-capped where the model caps, the cap being increasing), and
+//! `Ê_i ≥ E_i` is the perturbation's cheap upper bound
+//! ([`Perturbations::exponential_upper`]); their f32 sum is moved up by
+//! `2^−22` of its terms' size, more than its rounding.
 //! Keys no sketch bounds (the newest pages, not yet sketched, and the sinks
-//! of a coded page 0) get infinite bounds, so [`super::head`] scores them
-//! exactly when it looks for the maximum. The scan also takes `V_max`, the
-//! largest value norm over the pool's pages, from the per-page maxima the
-//! cache keeps as it stores values: a deterministic bound, as the
-//! certificate needs.
+//! of a coded page 0) get `p_i = +∞`, so [`super::head`] scores them at
+//! once. The scan also takes `V_max`, the largest value norm over the
+//! pool's pages, from the per-page maxima the cache keeps as it stores
+//! values: a deterministic bound, as the certificate needs.
 //!
 //! [`CacheHead`] is one query head's view for [`super::head::HeadAttention`]:
 //! the exact set is the sinks and the window, and exact scores and values
@@ -22,24 +26,21 @@
 //! as dense attention (ggml) does, and the sketch is scanned with that same
 //! query, so the bounds hold for the scores used. The perturbations are the
 //! group's, drawn once for all its query heads, and so are the exact
-//! scores: the first head that needs a key's score reads the key once and
-//! scores it for every head of the group ([`SharedScores`]), as dense
-//! attention reads each key once for the group.
-//!
-//! The 8-bit refinement (`KeySketch::refine`) is not used: it is a scalar
-//! computation in f64 over every channel, several times dearer than the
-//! exact f16 dot product it would save (measured on the synthetic
-//! benchmark: with it, refinement and its per-page set-up took over half
-//! of a call), so a key whose scan bound lets it enter is scored exactly.
+//! scores and the refinements: the first head that needs a key's score (or
+//! its 8-bit bound) reads the key once for every head of the group
+//! ([`GroupReads`]), as dense attention reads each key once for the group.
 //!
 //! # Bytes
 //!
 //! Each head counts what it reads: its share of the scan (the sketch's
 //! minima and steps and its coarse codes, split evenly among the group's
 //! heads, which read them once together), the bytes of the keys it read
-//! first for the group, and its value bytes, as the cache holds them
-//! ([`HeadRows::key_bytes`], [`HeadRows::value_bytes`]), the exact set's
-//! included.
+//! first for the group (the coarse and fine codes of a refinement, the
+//! key rows of an exact score), and its value bytes, as the cache holds
+//! them ([`HeadRows::key_bytes`], [`HeadRows::value_bytes`]), the exact
+//! set's included.
+
+use std::ops::Range;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -58,22 +59,36 @@ pub struct GroupScan {
     /// The group's queries rounded to f16: `n_gqa` rows of `head_dim_k`.
     queries: Vec<f32>,
     halves: Vec<f16>,
+    n_gqa: usize,
+    /// How a dot product becomes a score (scale, and soft-cap where the
+    /// model caps).
+    scorer: Scorer,
+    /// `n_gqa` prepared queries per sketched page of the pool, in order.
     prepared: Vec<ScanQuery>,
+    /// Per page of the pool (from its first): the place of its prepared
+    /// queries in `prepared` (in units of `n_gqa`), if it is sketched.
+    pages: Vec<Option<usize>>,
+    affine: Vec<f32>,
     page_bounds: Vec<Bounds>,
-    /// `[head][pool key]`: bounds on the scaled scores.
-    bounds: Vec<(f64, f64)>,
-    pool: usize,
-    /// `E_i` of every pool key.
-    exponentials: Vec<f64>,
+    /// `[head][pool key]`: `p_i ≥ s_i + E_i`.
+    perturbed: Vec<f32>,
+    /// Per head: the largest lower bound of a pool key's score.
+    lower_max: Vec<f64>,
+    /// `Ê_i` of every pool key.
+    exponential_uppers: Vec<f32>,
+    pool: Range<usize>,
+    perturbations: Option<Perturbations>,
     /// `V_max` over the pool's pages.
     pub value_norm_max: f64,
     /// Sketch bytes the scan read, for the whole group.
     pub scanned_bytes: usize,
+    /// Whether some page's sketch keeps more bits than it scans.
+    refines: bool,
 }
 
 impl GroupScan {
     /// Scans the pool `split.pool` of `kv_head` for the group's queries,
-    /// and draws the pool's perturbations.
+    /// with the pool's perturbations.
     pub fn scan(&mut self, call: &LayerCall, kv_head: usize, split: &Split, perturbations: &Perturbations) {
         let (batch, cache) = (call.batch, call.cache);
         let (n_gqa, dim) = (batch.n_gqa, batch.head_dim_k);
@@ -82,36 +97,58 @@ impl GroupScan {
         self.halves.resize(self.queries.len(), f16::ZERO);
         self.halves.convert_from_f32_slice(&self.queries);
         self.halves.convert_to_f32_slice(&mut self.queries);
-        self.prepared.resize_with(n_gqa, ScanQuery::default);
-        self.pool = split.pool.len();
-        self.bounds.clear();
-        self.bounds.resize(n_gqa * self.pool, (f64::NEG_INFINITY, f64::INFINITY));
+        self.n_gqa = n_gqa;
+        self.scorer = batch.scorer;
+        self.pool = split.pool.clone();
+        self.perturbations = Some(*perturbations);
+        let pool = self.pool.len();
+        self.perturbed.clear();
+        self.perturbed.resize(n_gqa * pool, f32::INFINITY);
+        self.lower_max.clear();
+        self.lower_max.resize(n_gqa, f64::NEG_INFINITY);
         self.page_bounds.resize(n_gqa * PAGE, Bounds { lower: 0.0, upper: 0.0 });
         self.scanned_bytes = 0;
         self.value_norm_max = 0.0;
-        self.exponentials.clear();
-        self.exponentials.extend(split.pool.clone().map(|pos| perturbations.exponential(pos)));
+        self.pages.clear();
+        self.refines = false;
+        self.exponential_uppers.clear();
+        self.exponential_uppers.extend(split.pool.clone().map(|pos| perturbations.exponential_upper(pos)));
         if split.pool.is_empty() {
             return;
         }
-        let scorer = batch.scorer;
-        for page in split.pool.start / PAGE..split.pool.end.div_ceil(PAGE) {
+        let first_page = split.pool.start / PAGE;
+        let pages = split.pool.end.div_ceil(PAGE) - first_page;
+        self.pages.resize(pages, None);
+        for page in first_page..first_page + pages {
             self.value_norm_max = self.value_norm_max.max(f64::from(cache.value_norm(kv_head, page)));
         }
+        let mut sketched = 0;
         for cover in cache.key_cover(kv_head, split.pool.clone()) {
             let KeyCover::Sketched { page, sketch, rows } = cover else { continue };
-            for (prepared, q) in self.prepared.iter_mut().zip(self.queries.chunks_exact(dim)) {
-                prepared.prepare(sketch, q);
+            if self.prepared.len() < (sketched + 1) * n_gqa {
+                self.prepared.resize_with((sketched + 1) * n_gqa, ScanQuery::default);
             }
-            sketch.scan_heads(&self.prepared, &mut self.page_bounds);
+            let prepared = &mut self.prepared[sketched * n_gqa..][..n_gqa];
+            self.pages[page - first_page] = Some(sketched);
+            self.refines |= sketch.refines();
+            sketched += 1;
+            sketch.affine_f32(&mut self.affine);
+            for (prepared, q) in prepared.iter_mut().zip(self.queries.chunks_exact(dim)) {
+                prepared.prepare_with(sketch, q, &self.affine);
+            }
+            sketch.scan_heads(prepared, &mut self.page_bounds);
             self.scanned_bytes += scan_bytes(cache.mode(), dim);
             let first = page * PAGE + rows.start - split.pool.start;
+            let exponentials = &self.exponential_uppers[first..][..rows.len()];
             for h in 0..n_gqa {
                 let page_bounds = &self.page_bounds[h * PAGE..][rows.clone()];
-                let bounds = &mut self.bounds[h * self.pool + first..][..rows.len()];
-                for (b, pb) in bounds.iter_mut().zip(page_bounds) {
-                    *b = scorer.bounds(pb.lower, pb.upper);
+                let perturbed = &mut self.perturbed[h * pool + first..][..rows.len()];
+                let mut lower = f32::NEG_INFINITY;
+                for ((p, b), &e) in perturbed.iter_mut().zip(page_bounds).zip(exponentials) {
+                    *p = perturbed_upper(self.scorer.upper(b.upper), e);
+                    lower = lower.max(b.lower);
                 }
+                self.lower_max[h] = self.lower_max[h].max(self.scorer.bounds(lower, lower).0);
             }
         }
     }
@@ -123,39 +160,155 @@ impl GroupScan {
 
     /// Keys the group's heads may score: the exact set's and the pool's.
     pub fn keys(&self, split: &Split) -> usize {
-        split.sinks.len() + split.window.len() + self.pool
+        split.sinks.len() + split.window.len() + self.pool.len()
     }
 
-    /// `E_i` per pool key.
-    pub fn exponentials(&self) -> &[f64] {
-        &self.exponentials
+    /// Query head `g`'s `p_i ≥ s_i + E_i` per pool key (`+∞` where no
+    /// sketch bounds the key).
+    pub fn perturbed_uppers(&self, g: usize) -> &[f32] {
+        &self.perturbed[g * self.pool.len()..][..self.pool.len()]
     }
 
-    /// Bounds of query head `g` of the group, per pool key.
-    pub fn bounds(&self, g: usize) -> &[(f64, f64)] {
-        &self.bounds[g * self.pool..][..self.pool]
+    /// Query head `g`'s largest lower bound on a pool key's score.
+    pub fn lower_max(&self, g: usize) -> f64 {
+        self.lower_max[g]
+    }
+
+    /// The prepared queries of the group for `page`, if it is sketched.
+    fn prepared(&self, page: usize) -> Option<&[ScanQuery]> {
+        let index = self.pages[page - self.pool.start / PAGE]?;
+        Some(&self.prepared[index * self.n_gqa..][..self.n_gqa])
     }
 }
 
-/// Exact scores of the group's keys, for all its query heads at once: the
-/// first head that needs a key's score reads the key once for all of them.
-/// Keys are numbered as the exact set (sinks, window) and then the pool.
+/// Numbers per key for the group's heads, valid for the current call only:
+/// each key's stamp says whether its numbers are this call's, so starting a
+/// call writes nothing per key.
 #[derive(Default)]
-pub struct SharedScores {
-    /// `[key][head]`: the scaled score, NaN until read.
-    scores: Vec<f32>,
-    n_gqa: usize,
-    dots: Vec<f32>,
+struct Memo<T> {
+    values: Vec<T>,
+    stamps: Vec<u32>,
+    width: usize,
+    stamp: u32,
 }
 
-impl SharedScores {
-    /// Forgets every score, for `keys` keys of `n_gqa` heads.
-    pub fn reset(&mut self, keys: usize, n_gqa: usize) {
-        self.n_gqa = n_gqa;
-        self.scores.clear();
-        self.scores.resize(keys * n_gqa, f32::NAN);
-        self.dots.resize(n_gqa, 0.0);
+impl<T: Copy + Default> Memo<T> {
+    /// Forgets every number, for `keys` keys of `width` numbers.
+    fn reset(&mut self, keys: usize, width: usize) {
+        if width != self.width {
+            self.stamps.clear();
+            self.width = width;
+        }
+        self.stamps.resize(keys, 0);
+        self.values.resize(keys * width, T::default());
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.stamps.fill(0);
+            self.stamp = 1;
+        }
     }
+
+    fn get(&self, key: usize) -> Option<&[T]> {
+        (self.stamps[key] == self.stamp).then(|| &self.values[key * self.width..][..self.width])
+    }
+
+    fn set(&mut self, key: usize) -> &mut [T] {
+        self.stamps[key] = self.stamp;
+        &mut self.values[key * self.width..][..self.width]
+    }
+}
+
+/// What the group's heads have read of its keys this call, for all of them
+/// at once: exact scores (keys numbered as the exact set, sinks then
+/// window, then the pool), the pool keys' refined upper bounds on `s_i`,
+/// and their perturbations.
+#[derive(Default)]
+pub struct GroupReads {
+    scores: Memo<f32>,
+    refined: Memo<f32>,
+    exponentials: Memo<f64>,
+    dots: Vec<f32>,
+    refine_dots: Vec<i32>,
+    refine_rows: Vec<u32>,
+    refine_bounds: Vec<Bounds>,
+}
+
+impl GroupReads {
+    /// Forgets everything, for `keys` keys (the exact set's and the pool's)
+    /// and `pool` pool keys, of `n_gqa` heads.
+    pub fn reset(&mut self, keys: usize, pool: usize, n_gqa: usize) {
+        self.scores.reset(keys, n_gqa);
+        self.refined.reset(pool, n_gqa);
+        self.exponentials.reset(pool, 1);
+    }
+
+    /// Refines `rows` of `page` (those no head has refined) for every head
+    /// of the group, in one pass over their codes; returns the bytes read.
+    fn refine(&mut self, scan: &GroupScan, rows: HeadRows, page: usize, wanted: impl Iterator<Item = u32>) -> usize {
+        let (Some(prepared), Some(sketch)) = (scan.prepared(page), rows.cache.sketch(rows.head, page)) else {
+            return 0;
+        };
+        let start = scan.pool.start;
+        let key = |row: u32| page * PAGE + row as usize - start;
+        self.refine_rows.clear();
+        self.refine_rows.extend(wanted.filter(|&row| self.refined.get(key(row)).is_none()));
+        let n = self.refine_rows.len();
+        if n == 0 {
+            return 0;
+        }
+        self.refine_bounds.resize(scan.n_gqa * n, Bounds::default());
+        sketch.refine_heads(prepared, &self.refine_rows, &mut self.refine_dots, &mut self.refine_bounds);
+        for r in 0..n {
+            let bounds = &self.refine_bounds;
+            for (h, upper) in self.refined.set(key(self.refine_rows[r])).iter_mut().enumerate() {
+                *upper = scan.scorer.upper(bounds[h * n + r].upper);
+            }
+        }
+        n * sketch.refinement_bytes()
+    }
+
+    /// Refines, page by page, every pool key whose scanned bound reaches
+    /// `thresholds[g]` for some head `g` of the group, and tightens the
+    /// scan's bounds with the refined ones: the keys the levels down to the
+    /// thresholds will want refined, in a pass per page rather than a pass
+    /// per page, head and level. Returns the bytes read.
+    pub fn refine_ahead(&mut self, scan: &mut GroupScan, rows: HeadRows, thresholds: &[f32]) -> usize {
+        let (n, pool) = (scan.n_gqa, scan.pool.clone());
+        if !scan.refines || pool.is_empty() {
+            return 0;
+        }
+        let mut bytes = 0;
+        let mut wanted = Vec::with_capacity(PAGE);
+        for page in pool.start / PAGE..pool.end.div_ceil(PAGE) {
+            let keys = (page * PAGE).max(pool.start)..((page + 1) * PAGE).min(pool.end);
+            wanted.clear();
+            wanted.extend(keys.clone().filter_map(|pos| {
+                let i = pos - pool.start;
+                (0..n).any(|g| scan.perturbed[g * pool.len() + i] >= thresholds[g]).then_some((pos % PAGE) as u32)
+            }));
+            bytes += self.refine(scan, rows, page, wanted.iter().copied());
+            for &row in &wanted {
+                let i = page * PAGE + row as usize - pool.start;
+                let Some(refined) = self.refined.get(i) else { continue };
+                for (g, &upper) in refined.iter().enumerate() {
+                    let p = &mut scan.perturbed[g * pool.len() + i];
+                    *p = p.min(perturbed_upper(upper, scan.exponential_uppers[i]));
+                }
+            }
+        }
+        bytes
+    }
+
+    /// The largest of query head `g`'s exact-set scores, once read.
+    pub fn exact_max(&self, g: usize, exact: usize) -> f64 {
+        (0..exact).filter_map(|i| self.scores.get(i)).map(|s| f64::from(s[g])).fold(f64::NEG_INFINITY, f64::max)
+    }
+}
+
+/// `p ≥ upper + e` for an upper bound on a score and one on its
+/// perturbation: their f32 sum moved up past its rounding.
+fn perturbed_upper(upper: f32, e: f32) -> f32 {
+    (upper + e) + (upper.abs() + e) * 2f32.powi(-22)
 }
 
 /// Runs of keys to score this close are read as one, the keys between them
@@ -180,43 +333,26 @@ pub struct HeadBytes {
 pub struct CacheHead<'a> {
     rows: HeadRows<'a>,
     split: &'a Split,
-    /// The group's queries (rounded to f16) and this head's place among them.
-    queries: &'a [f32],
+    scan: &'a GroupScan,
     g: usize,
-    shared: &'a mut SharedScores,
-    scorer: Scorer,
-    bounds: &'a [(f64, f64)],
-    exponentials: &'a [f64],
-    value_norm_max: f64,
-    runs: Vec<std::ops::Range<usize>>,
+    reads: &'a mut GroupReads,
+    runs: Vec<Range<usize>>,
     pub bytes: HeadBytes,
 }
 
 impl<'a> CacheHead<'a> {
-    /// Query head `g` of `kv_head`'s group, scanned by `scan`; `shared`
-    /// holds the group's scores, reset for this call.
+    /// Query head `g` of `kv_head`'s group, scanned by `scan`; `reads`
+    /// holds the group's reads, reset for this call.
     pub fn new(
         call: &LayerCall<'a>,
         kv_head: usize,
         split: &'a Split,
         scan: &'a GroupScan,
         g: usize,
-        shared: &'a mut SharedScores,
+        reads: &'a mut GroupReads,
     ) -> Self {
         let rows = HeadRows::new(call, kv_head);
-        Self {
-            rows,
-            split,
-            queries: &scan.queries,
-            g,
-            shared,
-            scorer: call.batch.scorer,
-            bounds: scan.bounds(g),
-            exponentials: scan.exponentials(),
-            value_norm_max: scan.value_norm_max,
-            runs: Vec::new(),
-            bytes: HeadBytes::default(),
-        }
+        Self { rows, split, scan, g, reads, runs: Vec::new(), bytes: HeadBytes::default() }
     }
 
     fn cache(&self) -> &'a PagedLayer {
@@ -233,29 +369,33 @@ impl<'a> CacheHead<'a> {
         }
     }
 
-    /// Reads those of `keys` (numbered as in [`SharedScores`], ascending,
+    /// Reads those of `keys` (numbered as in [`GroupReads`], ascending,
     /// at `position(key)`, consecutive keys at consecutive positions) that
     /// no head has read yet, and scores them for every head of the group, a
     /// run of keys per kernel call (runs closer than [`RUN_GAP`] read the
     /// keys between them too); counts their bytes here.
     fn read_scores(&mut self, keys: impl Iterator<Item = usize>, position: impl Fn(usize) -> usize) {
-        let n = self.shared.n_gqa;
+        let n = self.scan.n_gqa;
         self.runs.clear();
-        for key in keys.filter(|&key| self.shared.scores[key * n].is_nan()) {
+        for key in keys.filter(|&key| self.reads.scores.get(key).is_none()) {
             match self.runs.last_mut() {
                 Some(run) if key - run.end < RUN_GAP => run.end = key + 1,
                 _ => self.runs.push(key..key + 1),
             }
         }
+        let dim = self.rows.dim_k;
         for k in 0..self.runs.len() {
             let run = self.runs[k].clone();
             let positions = position(run.start)..position(run.start) + run.len();
-            self.shared.dots.resize(n * run.len(), 0.0);
+            self.reads.dots.resize(n * run.len(), 0.0);
             let rows = self.cache().key_rows(self.rows.head, positions.clone()).map(Stretch::from);
-            read::score(simd::kernels(), self.rows.dim_k, self.queries, rows, &mut self.shared.dots, run.len());
-            for (j, key) in run.enumerate() {
-                for h in 0..n {
-                    self.shared.scores[key * n + h] = self.scorer.score(self.shared.dots[h * (positions.len()) + j]);
+            read::score(simd::kernels(), dim, &self.scan.queries, rows, &mut self.reads.dots, run.len());
+            for (j, key) in run.clone().enumerate() {
+                let scorer = self.scan.scorer;
+                let dots = &self.reads.dots;
+                let scores = self.reads.scores.set(key);
+                for (h, score) in scores.iter_mut().enumerate() {
+                    *score = scorer.score(dots[h * run.len() + j]);
                 }
             }
             self.bytes.keys += self.rows.key_bytes(&[positions]);
@@ -264,12 +404,26 @@ impl<'a> CacheHead<'a> {
 
     /// The score of key `key`, once read.
     fn score(&self, key: usize) -> f64 {
-        f64::from(self.shared.scores[key * self.shared.n_gqa + self.g])
+        f64::from(self.reads.scores.get(key).expect("a key read")[self.g])
     }
 
     fn value_at(&mut self, pos: usize, out: &mut [f32]) {
         self.cache().value(self.rows.head, pos, out);
         self.bytes.values += self.rows.value_bytes(std::slice::from_ref(&(pos..pos + 1)));
+    }
+
+    /// Refines the pool keys of `indices` (ascending) that no head has
+    /// refined, for every head of the group, page by page.
+    fn read_refinements(&mut self, indices: &[u32]) {
+        let start = self.split.pool.start;
+        let mut k = 0;
+        while k < indices.len() {
+            let page = (start + indices[k] as usize) / PAGE;
+            let end = k + indices[k..].iter().take_while(|&&i| (start + i as usize) / PAGE == page).count();
+            let rows = indices[k..end].iter().map(|&i| ((start + i as usize) % PAGE) as u32);
+            self.bytes.keys += self.reads.refine(self.scan, self.rows, page, rows);
+            k = end;
+        }
     }
 }
 
@@ -284,7 +438,7 @@ impl HeadKeys for CacheHead<'_> {
 
     fn exact_score(&mut self, i: usize) -> f64 {
         // The whole exact set at once: the sinks, then the window.
-        if self.shared.scores[i * self.shared.n_gqa].is_nan() {
+        if self.reads.scores.get(i).is_none() {
             let sinks = self.split.sinks.clone();
             self.read_scores(0..sinks.len(), |key| sinks.start + key);
             let (skip, window) = (sinks.len(), self.split.window.clone());
@@ -301,12 +455,27 @@ impl HeadKeys for CacheHead<'_> {
         self.split.pool.len()
     }
 
-    fn pool_bounds(&self, i: usize) -> (f64, f64) {
-        self.bounds[i]
+    fn pool_lower_max(&self) -> f64 {
+        self.scan.lower_max(self.g)
     }
 
-    fn pool_refined_upper(&mut self, _: usize) -> Option<f64> {
-        None
+    fn perturbed_uppers(&self, out: &mut [f32]) {
+        out.copy_from_slice(self.scan.perturbed_uppers(self.g));
+    }
+
+    fn refines(&self) -> bool {
+        self.scan.refines
+    }
+
+    fn refine(&mut self, indices: &[u32], out: &mut [f64]) {
+        self.read_refinements(indices);
+        for (o, &i) in out.iter_mut().zip(indices) {
+            let i = i as usize;
+            *o = match self.reads.refined.get(i) {
+                Some(upper) => f64::from(perturbed_upper(upper[self.g], self.scan.exponential_uppers[i])),
+                None => f64::INFINITY,
+            };
+        }
     }
 
     fn pool_scores(&mut self, indices: &[u32], out: &mut [f64]) {
@@ -321,11 +490,17 @@ impl HeadKeys for CacheHead<'_> {
         self.value_at(self.split.pool.start + i, out);
     }
 
-    fn perturbation(&self, i: usize) -> f64 {
-        self.exponentials[i]
+    fn perturbation(&mut self, i: usize) -> f64 {
+        if let Some(e) = self.reads.exponentials.get(i) {
+            return e[0];
+        }
+        let perturbations = self.scan.perturbations.expect("a scanned pool");
+        let e = perturbations.exponential(self.split.pool.start + i);
+        self.reads.exponentials.set(i)[0] = e;
+        e
     }
 
     fn value_norm_max(&self) -> f64 {
-        self.value_norm_max
+        self.scan.value_norm_max
     }
 }

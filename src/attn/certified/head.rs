@@ -3,10 +3,11 @@
 //!
 //! The caller describes the head's keys through [`HeadKeys`]: the exact set
 //! (read whatever happens), and the pool, whose keys come with cheap
-//! deterministic bounds `l_i ≤ s_i ≤ u_i` on their scores (the 4-bit sketch
-//! scan), a tighter upper bound on demand (8-bit refinement), the exact
-//! score, the value, and the key's perturbation `E_i`. [`HeadAttention`]
-//! then proceeds as follows.
+//! deterministic bounds on their scores (the 4-bit sketch scan): the largest
+//! lower bound, and per key an upper bound `p_i ≥ s_i + E_i` on its
+//! *perturbed* score, in f32; a tighter upper bound on demand (the 8-bit
+//! refinement), the exact score, the value, and the perturbation `E_i`.
+//! [`HeadAttention`] then proceeds as follows.
 //!
 //! 1. **Shift.** `c = max(max_X s_i, max_P l_i)`: the exact set's largest
 //!    score or the largest lower bound of the pool, a lower bound on the
@@ -18,25 +19,32 @@
 //!    on the default model's 256-wide heads that was every key of the pool
 //!    (measured: keys read 100% on PG-19 at `-c 8192`), for a shift at most
 //!    the bounds' width higher, which moves the grid by as many levels.
-//! 2. **Buckets.** A pool key can enter no earlier than the level of its
-//!    upper bound, `level_of(u_i − c + E_i)` ([`super::levels`]); keys are
-//!    put in one bucket per level (a counting sort), and keys that cannot
-//!    reach even `τ_J` are never read.
-//! 3. **Levels.** At level `j`, bucket `j`'s keys are refined, then scored
-//!    exactly, each step moving a key whose tighter bound shows a later
-//!    entry to that level's bucket; a key whose exact perturbed log-weight
-//!    reaches `ln τ_j` enters the sample, and its value is read. It enters
-//!    as heavy if `w_i ≥ τ_j`, else as light, to be promoted at the level
-//!    where it becomes heavy. Then the level's certificate
+//! 2. **Candidates.** Key `i` enters at level `j` when
+//!    `s_i − c + E_i ≥ ln τ_j`, so it can only if `p_i ≥ c + ln τ_j`. At
+//!    level `j` the keys with `p_i ≥ T_j`, `T_j` that threshold rounded
+//!    down to f32 (and lowered by far more than the f64 rounding of the
+//!    entry rule), are selected in one vectorized pass
+//!    ([`simd::Kernels::select_at_least`]); keys that entered are marked
+//!    `p_i = −∞`, so the selection is exactly the keys not yet in the
+//!    sample that may enter now.
+//! 3. **Levels.** Each candidate is refined once (its `p_i` replaced by the
+//!    tighter bound), then, if it still reaches `T_j`, scored exactly, and
+//!    its `p_i` becomes its exact perturbed score rounded up. A key whose
+//!    exact perturbed log-weight reaches `ln τ_j` enters the sample, and its
+//!    value is read. It enters as heavy if `w_i ≥ τ_j`, else as light, to be
+//!    promoted at the level where it becomes heavy. A key that does not
+//!    enter keeps its tighter `p_i` and is selected again no earlier than
+//!    its bound allows. Then the level's certificate
 //!    ([`super::certificate`]) is computed; the first that meets `ε` is the
 //!    answer.
 //! 4. **Fallback.** If no level certifies, the head's attention is computed
 //!    exactly over every visible key, and the record says so.
 //!
 //! Because the sample at each level is exactly `{i : s_i − c + E_i ≥ ln τ_j}`
-//! (bounds only ever postpone a read, never decide an entry), the estimates
-//! are those of threshold sampling, and the certificate's guarantee holds
-//! for the level the rule stops at: `P(certified and error > ε) ≤ δ`.
+//! (bounds only ever postpone a read, never decide an entry: the entry is
+//! [`Grid::level_of`] of the exact perturbed log-weight), the estimates are
+//! those of threshold sampling, and the certificate's guarantee holds for
+//! the level the rule stops at: `P(certified and error > ε) ≤ δ`.
 
 use super::certificate::{certify, CertificateInputs, Chernoff, LevelCertificate};
 use super::estimate::LevelSums;
@@ -68,16 +76,23 @@ pub trait HeadKeys {
     fn exact_score(&mut self, i: usize) -> f64;
     fn exact_value(&mut self, i: usize, out: &mut [f32]);
     fn pool_len(&self) -> usize;
-    /// Deterministic `(l_i, u_i)` with `l_i ≤ s_i ≤ u_i`.
-    fn pool_bounds(&self, i: usize) -> (f64, f64);
-    /// A deterministic upper bound at most `u_i`, dearer to get, where the
-    /// keys have one (`None`: go straight to the exact score).
-    fn pool_refined_upper(&mut self, i: usize) -> Option<f64>;
+    /// A deterministic lower bound on some pool key's score, as high as the
+    /// bounds give (`−∞` when no key is bounded).
+    fn pool_lower_max(&self) -> f64;
+    /// Deterministic `out[i] ≥ s_i + E_i` for every pool key (`+∞` where
+    /// nothing bounds the score).
+    fn perturbed_uppers(&self, out: &mut [f32]);
+    /// Whether [`Self::refine`] can tighten any key's bound.
+    fn refines(&self) -> bool;
+    /// Deterministic upper bounds on `s_i + E_i` of the pool keys
+    /// `indices` (ascending) into `out`, dearer to get than
+    /// [`Self::perturbed_uppers`]'s (`+∞` where there is none).
+    fn refine(&mut self, indices: &[u32], out: &mut [f64]);
     /// The scores of the pool keys `indices` (ascending), into `out`.
     fn pool_scores(&mut self, indices: &[u32], out: &mut [f64]);
     fn pool_value(&mut self, i: usize, out: &mut [f32]);
     /// `E_i ~ Exp(1)`, independent of everything else.
-    fn perturbation(&self, i: usize) -> f64;
+    fn perturbation(&mut self, i: usize) -> f64;
     /// A deterministic bound on every pool value's norm.
     fn value_norm_max(&self) -> f64;
 }
@@ -119,15 +134,12 @@ impl HeadRecord {
     }
 }
 
-/// What is known of a pool key's score.
-#[derive(Clone, Copy, Debug)]
-enum Known {
-    /// An upper bound from the scan.
-    Scanned(f64),
-    /// An upper bound from the refinement.
-    Refined(f64),
-    /// The score.
-    Scored(f64),
+/// How far a pool key has been read in this call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Read {
+    Scanned,
+    Refined,
+    Scored,
 }
 
 /// The per-head driver, with its buffers and the tables of its `δ'`.
@@ -139,17 +151,19 @@ pub struct HeadAttention {
     sums: LevelSums,
     /// The exact set's scores.
     exact_scores: Vec<f64>,
-    known: Vec<Known>,
-    buckets: Vec<Vec<u32>>,
+    /// Per pool key: `p_i ≥ s_i + E_i`, the tightest bound known; `−∞`
+    /// once the key is in the sample.
+    perturbed: Vec<f32>,
+    read: Vec<Read>,
     /// Per level: the sampled light keys (row in `light_rows`, weight) that
     /// become heavy there.
     promotions: Vec<Vec<(u32, f64)>>,
     light_rows: Vec<f32>,
-    /// Keys to score, and their scores, a batch at a time.
-    to_score: Vec<u32>,
-    scores: Vec<f64>,
-    /// Keys of the level being processed that enter its sample.
-    entering: Vec<u32>,
+    /// The candidates of the level being processed, and their bounds or
+    /// scores, a batch at a time.
+    candidates: Vec<u32>,
+    batch: Vec<u32>,
+    numbers: Vec<f64>,
     value: Vec<f32>,
     output: Vec<f64>,
 }
@@ -157,20 +171,19 @@ pub struct HeadAttention {
 impl HeadAttention {
     pub fn new(params: Params) -> Self {
         let delta = event_budget(params.delta, params.measure, &params.grid);
-        let levels = params.grid.levels();
         Self {
             params,
             chernoff: Chernoff::new(delta),
             log_term: (2.0 / delta).ln(),
             sums: LevelSums::default(),
             exact_scores: Vec::new(),
-            known: Vec::new(),
-            buckets: vec![Vec::new(); levels],
-            promotions: vec![Vec::new(); levels],
+            perturbed: Vec::new(),
+            read: Vec::new(),
+            promotions: vec![Vec::new(); params.grid.levels()],
             light_rows: Vec::new(),
-            to_score: Vec::new(),
-            scores: Vec::new(),
-            entering: Vec::new(),
+            candidates: Vec::new(),
+            batch: Vec::new(),
+            numbers: Vec::new(),
             value: Vec::new(),
             output: Vec::new(),
         }
@@ -184,9 +197,10 @@ impl HeadAttention {
     pub fn attend(&mut self, keys: &mut impl HeadKeys, stop: Stop, out: &mut [f32]) -> HeadRecord {
         let dim = keys.value_dim();
         let grid = self.params.grid;
+        let pool = keys.pool_len();
         let mut record = HeadRecord {
             level: None,
-            pool: keys.pool_len(),
+            pool,
             refined: 0,
             scored: 0,
             values_read: 0,
@@ -194,20 +208,21 @@ impl HeadAttention {
             shift: 0.0,
             denominator: 0.0,
         };
-        let c = self.shift(keys);
+        self.exact_scores.clear();
+        self.exact_scores.extend((0..keys.exact_len()).map(|i| keys.exact_score(i)));
+        let c = self.exact_scores.iter().copied().fold(keys.pool_lower_max(), f64::max);
         record.shift = c;
         self.sums.reset(dim);
         self.value.resize(dim, 0.0);
         self.output.resize(dim, 0.0);
         self.add_exact_set(keys, c);
-        self.buckets.iter_mut().for_each(Vec::clear);
         self.promotions.iter_mut().for_each(Vec::clear);
         self.light_rows.clear();
-        for (i, known) in self.known.iter().enumerate() {
-            if let Some(j) = grid.level_of(upper(*known) - c + keys.perturbation(i)) {
-                self.buckets[j].push(i as u32);
-            }
-        }
+        self.perturbed.resize(pool, 0.0);
+        keys.perturbed_uppers(&mut self.perturbed);
+        self.read.clear();
+        self.read.resize(pool, Read::Scanned);
+        self.candidates.resize(pool, 0);
         let last = match stop {
             Stop::Certified => grid.last,
             Stop::AtLevel(j) => j.min(grid.last),
@@ -237,61 +252,66 @@ impl HeadAttention {
         record
     }
 
-    /// `c = max(max_X s_i, max_P l_i)`, reading no pool key; fills `known`
-    /// for every pool key with its scan bound.
-    fn shift(&mut self, keys: &mut impl HeadKeys) -> f64 {
-        self.exact_scores.clear();
-        self.exact_scores.extend((0..keys.exact_len()).map(|i| keys.exact_score(i)));
-        let exact_max = self.exact_scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        self.known.clear();
-        self.known.extend((0..keys.pool_len()).map(|i| Known::Scanned(keys.pool_bounds(i).1)));
-        (0..keys.pool_len()).map(|i| keys.pool_bounds(i).0).fold(exact_max, f64::max)
-    }
-
-    /// Processes bucket `j`: promotions due at `j`, then the keys that may
-    /// enter at `j`, each read no further than it must be.
+    /// Processes level `j`: promotions due at `j`, then the keys whose bound
+    /// reaches the level, each read no further than it must be.
     fn enter(&mut self, keys: &mut impl HeadKeys, j: usize, c: f64, record: &mut HeadRecord) {
         let grid = self.params.grid;
         let dim = keys.value_dim();
         for &(row, w) in &self.promotions[j] {
             self.sums.promote(w, &self.light_rows[row as usize * dim..][..dim]);
         }
-        let mut bucket = std::mem::take(&mut self.buckets[j]);
-        // Bounds first: a key whose (refined) bound shows a later entry
-        // moves on unread; the others are scored in one batch.
-        self.to_score.clear();
-        self.entering.clear();
-        for &i in &bucket {
-            let index = i as usize;
-            if let Known::Scanned(u) = self.known[index] {
-                if let Some(refined) = keys.pool_refined_upper(index) {
-                    record.refined += 1;
-                    self.known[index] = Known::Refined(refined.min(u));
-                }
-            }
-            let known = self.known[index];
-            match known {
-                Known::Scored(_) => self.entering.push(i),
-                known if self.moves_on(j, i, upper(known) - c + keys.perturbation(index)) => {}
-                _ => self.to_score.push(i),
+        let log_tau = grid.log_threshold(j);
+        // Far below the level's threshold by more than the entry rule's f64
+        // rounding, then rounded down to f32: every key that may enter has
+        // `p_i` at or above it.
+        let threshold = f32_down(c + log_tau - 1e-9 * (1.0 + c.abs()));
+        let n = simd::kernels().select_at_least(&self.perturbed, threshold, &mut self.candidates);
+        if n == 0 {
+            return;
+        }
+        // Refine the keys seen for the first time; those whose refined
+        // bound falls below the level wait.
+        self.batch.clear();
+        self.batch.extend(self.candidates[..n].iter().copied().filter(|&i| self.read[i as usize] == Read::Scanned));
+        if keys.refines() && !self.batch.is_empty() {
+            self.numbers.resize(self.batch.len(), 0.0);
+            keys.refine(&self.batch, &mut self.numbers);
+            record.refined += self.batch.len();
+            for (&i, &bound) in self.batch.iter().zip(&self.numbers) {
+                let i = i as usize;
+                self.read[i] = Read::Refined;
+                self.perturbed[i] = self.perturbed[i].min(f32_up(bound));
             }
         }
-        self.score_batch(keys, record);
-        for k in 0..self.to_score.len() {
-            let i = self.to_score[k];
-            let Known::Scored(s) = self.known[i as usize] else { unreachable!("scored just now") };
-            if !self.moves_on(j, i, s - c + keys.perturbation(i as usize)) {
-                self.entering.push(i);
-            }
+        self.batch.clear();
+        let (perturbed, candidates) = (&self.perturbed, &self.candidates[..n]);
+        self.batch.extend(candidates.iter().copied().filter(|&i| perturbed[i as usize] >= threshold));
+        if self.batch.is_empty() {
+            return;
         }
-        for k in 0..self.entering.len() {
-            let i = self.entering[k] as usize;
-            let Known::Scored(s) = self.known[i] else { unreachable!("only scored keys enter") };
+        self.numbers.resize(self.batch.len(), 0.0);
+        keys.pool_scores(&self.batch, &mut self.numbers);
+        for k in 0..self.batch.len() {
+            let (i, s) = (self.batch[k] as usize, self.numbers[k]);
+            if self.read[i] != Read::Scored {
+                self.read[i] = Read::Scored;
+                record.scored += 1;
+            }
+            let e = keys.perturbation(i);
+            let entry = grid.level_of(s - c + e);
+            debug_assert!(entry.is_none_or(|e| e >= j), "a score above its bound");
+            if entry.is_none_or(|e| e > j) {
+                // Selected again no earlier than its exact level (less the
+                // margin).
+                self.perturbed[i] = if entry.is_some() { f32_up(s + e) } else { f32::NEG_INFINITY };
+                continue;
+            }
+            self.perturbed[i] = f32::NEG_INFINITY;
             record.values_read += 1;
             keys.pool_value(i, &mut self.value);
             let w = (s - c).exp();
             match grid.level_of(s - c) {
-                Some(heavy) if heavy == j => self.sums.add_exact(w, &self.value),
+                Some(heavy) if heavy <= j => self.sums.add_exact(w, &self.value),
                 heavy => {
                     self.sums.add_light(&self.value);
                     if let Some(heavy) = heavy {
@@ -302,35 +322,6 @@ impl HeadAttention {
                 }
             }
         }
-        bucket.clear();
-        self.buckets[j] = bucket;
-    }
-
-    /// Whether key `i` of bucket `j`, whose perturbed log-weight is at most
-    /// `log_weight`, enters later (or never): then it is put in that level's
-    /// bucket. A sound bound never shows an earlier level.
-    fn moves_on(&mut self, j: usize, i: u32, log_weight: f64) -> bool {
-        let entry = self.params.grid.level_of(log_weight);
-        debug_assert!(entry.is_none_or(|e| e >= j), "a score above its bound");
-        if entry == Some(j) {
-            return false;
-        }
-        if let Some(later) = entry {
-            self.buckets[later].push(i);
-        }
-        true
-    }
-
-    /// Scores the keys of `to_score`, marking them scored; returns the
-    /// scores.
-    fn score_batch(&mut self, keys: &mut impl HeadKeys, record: &mut HeadRecord) -> &[f64] {
-        self.scores.resize(self.to_score.len(), 0.0);
-        keys.pool_scores(&self.to_score, &mut self.scores);
-        record.scored += self.to_score.len();
-        for (&i, &s) in self.to_score.iter().zip(&self.scores) {
-            self.known[i as usize] = Known::Scored(s);
-        }
-        &self.scores
     }
 
     /// The exact set's keys, into the exact part of the sums.
@@ -343,27 +334,41 @@ impl HeadAttention {
 
     /// Exact attention over the exact set and the whole pool.
     fn exact(&mut self, keys: &mut impl HeadKeys, c: f64, record: &mut HeadRecord, out: &mut [f32]) {
+        let pool = keys.pool_len();
         self.sums.reset(keys.value_dim());
         self.add_exact_set(keys, c);
-        self.to_score.clear();
-        self.to_score
-            .extend((0..keys.pool_len() as u32).filter(|&i| !matches!(self.known[i as usize], Known::Scored(_))));
-        self.score_batch(keys, record);
-        for i in 0..keys.pool_len() {
-            let Known::Scored(s) = self.known[i] else { unreachable!("every key is scored") };
+        self.batch.clear();
+        self.batch.extend(0..pool as u32);
+        self.numbers.resize(pool, 0.0);
+        keys.pool_scores(&self.batch, &mut self.numbers);
+        for i in 0..pool {
             keys.pool_value(i, &mut self.value);
-            self.sums.add_exact((s - c).exp(), &self.value);
+            self.sums.add_exact((self.numbers[i] - c).exp(), &self.value);
         }
-        record.values_read = keys.pool_len();
+        record.scored = pool;
+        record.values_read = pool;
         record.denominator = self.sums.exact_weight;
         self.sums.output(0.0, &mut self.output);
         out.iter_mut().zip(&self.output).for_each(|(o, &x)| *o = x as f32);
     }
 }
 
-fn upper(known: Known) -> f64 {
-    match known {
-        Known::Scanned(u) | Known::Refined(u) => u,
-        Known::Scored(s) => s,
+/// The least f32 at or above `x` (`+∞` above f32's range).
+pub fn f32_up(x: f64) -> f32 {
+    let y = x as f32;
+    if f64::from(y) < x {
+        y.next_up()
+    } else {
+        y
+    }
+}
+
+/// The largest f32 at or below `x`.
+pub fn f32_down(x: f64) -> f32 {
+    let y = x as f32;
+    if f64::from(y) > x {
+        y.next_down()
+    } else {
+        y
     }
 }

@@ -70,6 +70,26 @@ impl Perturbations {
     pub fn exponential(&self, position: usize) -> f64 {
         -self.uniform(position).ln()
     }
+
+    /// A cheap upper bound on [`Self::exponential`], within 0.06 of it
+    /// (for `u ≥ 2^−10`; closer to `E` relatively below): no logarithm, for
+    /// screening every key of a pool.
+    ///
+    /// The top 24 bits `t` of the hash give `x = t·2^−24 ≤ u`, exact in f32,
+    /// so `−ln x ≥ −ln u`. Writing `x = 2^e·(1 + f)`, its bits are
+    /// `b = (e + 127)·2^23 + f·2^23`, and `log₂(1 + f) ≥ f` on `[0, 1]` (the
+    /// chord lies below the concave curve, at most `0.0861` in `log₂` —
+    /// `0.0597` in nats — below it), so
+    /// `−ln x ≤ ln 2·(127·2^23 − b)·2^−23`. That product, `k·c` with
+    /// `k < 2^31` converted and `c = ln 2·2^−23` rounded, errs by under
+    /// `3·2^−24` relatively; the factor `1 + 2^−21` covers it. (For `t = 0`
+    /// the bound is `127·ln 2 ≈ 88`, above the largest `E`, `53·ln 2`.)
+    pub fn exponential_upper(&self, position: usize) -> f32 {
+        let z = mix(self.base.wrapping_add((position as u64).wrapping_add(1).wrapping_mul(GAMMA)));
+        let x = (z >> 40) as f32 * 2f32.powi(-24);
+        let k = (127 << 23) - x.to_bits() as i32;
+        k as f32 * (std::f32::consts::LN_2 * 2f32.powi(-23)) * (1.0 + 2f32.powi(-21))
+    }
 }
 
 #[cfg(test)]
@@ -142,6 +162,16 @@ mod tests {
         let call = Perturbations::new(SEED, 0, 0, 0);
         let mean = (0..100_000).map(|p| call.exponential(p)).sum::<f64>() / 1e5;
         assert!((mean - 1.0).abs() < 5.0 / 1e5f64.sqrt(), "mean {mean}");
+    }
+
+    #[test]
+    fn exponential_uppers_bound_the_exponentials_closely() {
+        let call = Perturbations::new(SEED, 2, 1, 9);
+        for p in 0..200_000 {
+            let (e, upper) = (call.exponential(p), f64::from(call.exponential_upper(p)));
+            assert!(upper >= e, "position {p}: {upper} below {e}");
+            assert!(upper - e <= 0.06 || e > 10.0 * std::f64::consts::LN_2, "position {p}: {upper} far above {e}");
+        }
     }
 
     #[test]

@@ -18,10 +18,11 @@
 
 use rayon::prelude::*;
 
-use super::candidates::{CacheHead, GroupScan, SharedScores};
-use super::head::{HeadAttention, HeadRecord as Driven, Params, Stop};
+use super::candidates::{CacheHead, GroupReads, GroupScan};
+use super::head::{f32_down, HeadAttention, HeadKeys, HeadRecord as Driven, Params, Stop};
 use super::perturb::{PerturbationSeed, Perturbations};
 use crate::attn::dense::Dense;
+use crate::attn::read::HeadRows;
 use crate::attn::{worth_sparse, AttentionKind, AttentionPolicy, Certificate, Estimate, HeadRecord, LayerCall, Split};
 
 /// Certified sparse attention on decoding steps, dense elsewhere.
@@ -37,8 +38,13 @@ pub struct CertifiedPolicy {
 struct Group {
     heads: HeadAttention,
     scan: GroupScan,
-    scores: SharedScores,
+    reads: GroupReads,
     records: Vec<HeadRecord>,
+    /// Per layer: the level down to which a call refines ahead, one below
+    /// the deepest level the group's heads stopped at in the layer's last
+    /// call (at first, the last level).
+    ahead: Vec<usize>,
+    thresholds: Vec<f32>,
 }
 
 impl CertifiedPolicy {
@@ -69,16 +75,38 @@ impl Group {
         self.records.clear();
         let perturbations = Perturbations::new(seed, call.layer, kv_head, call.step);
         self.scan.scan(call, kv_head, &split, &perturbations);
-        self.scores.reset(self.scan.keys(&split), n_gqa);
-        let scan_share = self.scan.scanned_bytes as f64 / n_gqa as f64;
+        self.reads.reset(self.scan.keys(&split), split.pool.len(), n_gqa);
+        // The exact set's scores give each head its shift, and with the
+        // level reached last time, the keys worth refining in one pass.
+        let grid = self.heads.params().grid;
+        self.ahead.resize(self.ahead.len().max(call.layer + 1), grid.last);
+        let mut shared = {
+            let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, 0, &mut self.reads);
+            if keys.exact_len() > 0 {
+                keys.exact_score(0);
+            }
+            keys.bytes.keys
+        };
+        let exact = split.sinks.len() + split.window.len();
+        let log_tau = grid.log_threshold(self.ahead[call.layer]);
+        self.thresholds.clear();
+        self.thresholds.extend((0..n_gqa).map(|g| {
+            let c = self.reads.exact_max(g, exact).max(self.scan.lower_max(g));
+            f32_down(c + log_tau - 1e-9 * (1.0 + c.abs()))
+        }));
+        shared += self.reads.refine_ahead(&mut self.scan, HeadRows::new(call, kv_head), &self.thresholds);
+        let shared = (self.scan.scanned_bytes + shared) as f64 / n_gqa as f64;
+        let mut deepest = 0;
         for (g, out) in out.chunks_exact_mut(dim_v).enumerate() {
-            let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, g, &mut self.scores);
+            let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, g, &mut self.reads);
             let driven = self.heads.attend(&mut keys, Stop::Certified, out);
+            deepest = deepest.max(driven.level.unwrap_or(grid.last));
             let read = keys.bytes.keys + keys.bytes.values;
             let mut record = record(certificate, call, kv_head * n_gqa + g, &split, &driven, read);
-            record.bytes_read += scan_share;
+            record.bytes_read += shared;
             self.records.push(record);
         }
+        self.ahead[call.layer] = (deepest + 1).min(grid.last);
     }
 }
 
@@ -128,8 +156,10 @@ impl AttentionPolicy for CertifiedPolicy {
         self.groups.resize_with(batch.n_kv_head(), || Group {
             heads: HeadAttention::new(params),
             scan: GroupScan::default(),
-            scores: SharedScores::default(),
+            reads: GroupReads::default(),
             records: Vec::new(),
+            ahead: Vec::new(),
+            thresholds: Vec::new(),
         });
         let (certificate, seed) = (&self.certificate, self.seed);
         let group_len = batch.n_gqa * batch.head_dim_v;
