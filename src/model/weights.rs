@@ -37,6 +37,7 @@ pub struct Weights<'a> {
     pub output_norm: Vec<f32>,
     /// The output head; the token embedding itself when the file ties them.
     pub output: Matrix<'a>,
+    /// The file has no `output.weight`: `output` is the token embedding.
     pub output_is_token_embd: bool,
     pub layers: Vec<LayerWeights<'a>>,
 }
