@@ -340,10 +340,13 @@ impl<'a> Group<'a> {
     fn softmax(&self, kernels: &Kernels, s: &mut GroupScratch, piece_len: usize) {
         let (heads, n) = (self.batch.n_gqa, self.visible.len());
         for h in 0..heads {
-            let max = head_rows(&mut s.scores, heads, piece_len, h).flatten().fold(f32::NEG_INFINITY, |m, x| m.max(*x));
+            let max =
+                head_rows(&mut s.scores, heads, piece_len, h).map(|row| max_of(row)).fold(f32::NEG_INFINITY, f32::max);
             let sum: f32 = head_rows(&mut s.scores, heads, piece_len, h).map(|row| kernels.softmax_exp(row, max)).sum();
             let inv_sum = 1.0 / sum;
-            head_rows(&mut s.scores, heads, piece_len, h).flatten().for_each(|x| *x *= inv_sum);
+            for row in head_rows(&mut s.scores, heads, piece_len, h) {
+                row.iter_mut().for_each(|x| *x *= inv_sum);
+            }
         }
         debug_assert_eq!(s.scores.len(), heads * n);
         round_to_f16(&mut s.scores, &mut s.halves);
@@ -395,6 +398,19 @@ impl<'a> Group<'a> {
         });
         cached.chain(std::iter::once(own))
     }
+}
+
+/// The largest of `x` (−∞ for none), sixteen lanes at a time: a fold of one
+/// accumulator would wait on each comparison in turn.
+fn max_of(x: &[f32]) -> f32 {
+    let (chunks, rest) = x.as_chunks::<16>();
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    for chunk in chunks {
+        for (m, &x) in lanes.iter_mut().zip(chunk) {
+            *m = m.max(x);
+        }
+    }
+    lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &x| m.max(x))
 }
 
 /// The stretch of head `h`'s scores in each piece of `piece_len` positions.
