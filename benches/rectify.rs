@@ -476,7 +476,7 @@ impl Report<'_> {
         chart
             .configure_mesh()
             .x_desc("tokens decoded after the prefix")
-            .y_desc("mean KL(dense ‖ policy)")
+            .y_desc("mean KL(dense || policy)")
             .y_label_formatter(&|y| format!("{y:.0e}"))
             .draw()?;
         let colors = [RED.mix(0.4), RED.mix(1.0), BLUE.mix(0.4), BLUE.mix(1.0)];
