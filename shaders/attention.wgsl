@@ -6,6 +6,9 @@
 // up to the chunk's last, kv_len = pos0 + n), O is f32 [n][n_head][D]. Query
 // head h reads KV head h / (n_head / n_kv_head) (grouped-query attention).
 // Query t sees key j when j <= t and, on a sliding-window layer, t - j < window.
+// Which keys a workgroup visits comes from the key-span functions the Rust
+// prepends: every key up to the last query (attention_keys_dense.wgsl), or the
+// key lists of a sparse pattern (attention_keys_sparse.wgsl).
 //
 // A workgroup takes 16 queries of one head; 8 invocations share a query, each
 // holding D / 8 of its dimensions (of q and of the output accumulator), and
@@ -15,7 +18,8 @@
 // running maximum and sum of the softmax are kept per query in f32, and the
 // accumulator is rescaled once per 16 keys.
 //
-// The Rust prepends `const D: u32 = …;` (the head dimension, a multiple of 32).
+// The Rust prepends `const D: u32 = …;` (the head dimension, a multiple of 32)
+// and one of the key-span files.
 
 enable f16;
 
@@ -34,6 +38,8 @@ struct Shape {
     n_kv_head: u32,
     window: u32,
     scale: f32,
+    // Query blocks per KV head of a sparse index (0 when dense).
+    query_blocks: u32,
 }
 
 var<immediate> shape: Shape;
@@ -45,6 +51,8 @@ var<immediate> shape: Shape;
 
 var<workgroup> k_tile: array<vec4<f16>, KEYS * D / 4u>;
 var<workgroup> v_tile: array<vec4<f16>, KEYS * D / 4u>;
+// The positions of the staged keys.
+var<workgroup> key_tile: array<u32, KEYS>;
 
 fn visible(t: u32, j: u32) -> bool {
     return j <= t && (shape.window == 0u || t - j < shape.window);
@@ -64,11 +72,7 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index
     // The keys any query of this workgroup sees.
     let t_first = shape.pos0 + first_query;
     let t_last = shape.pos0 + min(shape.n, first_query + QUERIES) - 1u;
-    var key_begin = 0u;
-    if shape.window != 0u && t_first + 1u > shape.window {
-        key_begin = ((t_first + 1u - shape.window) / KEYS) * KEYS;
-    }
-    let key_end = t_last + 1u;
+    let span = key_span(kv_head, t_first, t_last);
 
     let row = D / 4u;
     var q_share: array<vec4<f32>, SHARE>;
@@ -85,11 +89,14 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index
     var m = NEG_BIG;
     var l = 0.0;
 
-    for (var j0 = key_begin; j0 < key_end; j0 += KEYS) {
+    for (var e0 = 0u; e0 < span.len; e0 += KEYS) {
         // Stage 16 keys and values: each invocation moves D / 8 of each.
+        if lid < KEYS {
+            key_tile[lid] = key_at(span, e0 + lid);
+        }
         for (var i = 0u; i < SHARE; i++) {
             let e = lid * SHARE + i;
-            let key = j0 + e / row;
+            let key = key_at(span, e0 + e / row);
             var kv = vec4<f16>(0.0);
             var vv = vec4<f16>(0.0);
             if key < kv_len {
@@ -112,7 +119,7 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index
             score += subgroupShuffleXor(score, 4u);
             score += subgroupShuffleXor(score, 2u);
             score += subgroupShuffleXor(score, 1u);
-            if visible(t, j0 + j) {
+            if visible(t, key_tile[j]) {
                 s[j] = score;
                 m_new = max(m_new, score);
             } else {

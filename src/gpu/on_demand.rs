@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 
 use super::context::{AdapterPolicy, GpuContext, GpuError};
 use super::prefill::GpuPrefill;
+use super::route::RouteSettings;
 use crate::engine::{EngineError, PrefillBackend};
 use crate::kv::KvCache;
 use crate::model::{Model, Outputs};
@@ -59,13 +60,21 @@ impl GpuMode {
 }
 
 /// The process's GPU opened for `mode`, and `model`'s weights uploaded to it
-/// (logged with their time), taking prompts of `mode`'s length.
-pub fn upload<'m>(model: &'m Model<'m>, mode: GpuMode) -> Result<GpuPrefill<'m>, GpuError> {
+/// (logged with their time), taking prompts of `mode`'s length, with
+/// `route`'s sparse attention when given.
+pub fn upload<'m>(
+    model: &'m Model<'m>,
+    mode: GpuMode,
+    route: Option<&RouteSettings>,
+) -> Result<GpuPrefill<'m>, GpuError> {
     // `off` takes no prompt.
     let min_tokens = mode.min_tokens().unwrap_or(usize::MAX);
     let gpu = shared(mode.adapter_policy())?;
     let started = std::time::Instant::now();
-    let prefill = GpuPrefill::new(gpu, model)?.with_min_tokens(min_tokens);
+    let mut prefill = GpuPrefill::new(gpu, model)?.with_min_tokens(min_tokens);
+    if let Some(settings) = route {
+        prefill = prefill.with_routing(settings.clone())?;
+    }
     eprintln!(
         "gpu: weights uploaded in {:.0} ms; {} kernels; prompts of {min_tokens}+ tokens on the GPU",
         started.elapsed().as_secs_f64() * 1e3,
@@ -89,6 +98,7 @@ fn shared(policy: AdapterPolicy) -> Result<&'static GpuContext, GpuError> {
 pub struct OnDemand<'m> {
     model: &'m Model<'m>,
     mode: GpuMode,
+    route: Option<RouteSettings>,
     min_tokens: usize,
     state: State<'m>,
 }
@@ -104,9 +114,9 @@ impl<'m> OnDemand<'m> {
     /// `None` for `off`. With `on`, the adapter is opened and the weights
     /// uploaded now, so that a missing adapter is reported before any work
     /// and the first prompt's time is the prefill's alone.
-    pub fn new(model: &'m Model<'m>, mode: GpuMode) -> Result<Option<Self>, GpuError> {
+    pub fn new(model: &'m Model<'m>, mode: GpuMode, route: Option<RouteSettings>) -> Result<Option<Self>, GpuError> {
         let Some(min_tokens) = mode.min_tokens() else { return Ok(None) };
-        let mut backend = Self { model, mode, min_tokens, state: State::Closed };
+        let mut backend = Self { model, mode, route, min_tokens, state: State::Closed };
         if mode == GpuMode::On {
             backend.ready()?;
         }
@@ -116,7 +126,7 @@ impl<'m> OnDemand<'m> {
     /// The backend, opened on first use.
     fn ready(&mut self) -> Result<&GpuPrefill<'m>, GpuError> {
         if let State::Closed = self.state {
-            self.state = State::Ready(Box::new(upload(self.model, self.mode)?));
+            self.state = State::Ready(Box::new(upload(self.model, self.mode, self.route.as_ref())?));
         }
         match &self.state {
             State::Ready(prefill) => Ok(prefill),
