@@ -50,8 +50,6 @@ struct Shape {
     n_kv_head: u32,
     window: u32,
     scale: f32,
-    // Query blocks per KV head of a sparse index (0 when dense).
-    query_blocks: u32,
 }
 
 var<immediate> shape: Shape;

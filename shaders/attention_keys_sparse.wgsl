@@ -1,5 +1,6 @@
 // The keys a sparse attention workgroup visits: the key lists of its KV head
-// and query block (64 positions, shape.query_blocks of them per KV head),
+// and query block (64 positions; the index covers the same number of query
+// blocks for every KV head),
 // built by the index builders of src/gpu/route/. Entry e of a span is
 // position e % 64 of the span's (e / 64)-th listed key block while e is below
 // 64 times their count, then the listed single positions (vertical lines that
@@ -27,7 +28,8 @@ struct Span {
 
 // The keys of queries t_first ..= t_last, which lie in one query block.
 fn key_span(kv_head: u32, t_first: u32, t_last: u32) -> Span {
-    let at = kv_head * shape.query_blocks + t_first / INDEX_BLOCK;
+    let query_blocks = (arrayLength(&block_offsets) - 1u) / shape.n_kv_head;
+    let at = kv_head * query_blocks + t_first / INDEX_BLOCK;
     let block0 = block_offsets[at];
     let blocks = block_offsets[at + 1u] - block0;
     let column0 = column_offsets[at];

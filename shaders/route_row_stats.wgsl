@@ -25,7 +25,6 @@ struct Shape {
     n_kv_head: u32,
     window: u32,
     scale: f32,
-    query_blocks: u32,
     // Rows listed in `rows`.
     rows: u32,
 }

@@ -1,7 +1,8 @@
-//! RouteSparse's kernels against CPU references of the same masks: the sparse
-//! attention kernel, for every pattern of the library and for KV heads with
-//! different patterns in one dispatch, against softmax attention in f64 over
-//! exactly the keys the index lists (causal within them).
+//! RouteSparse against references: the sparse attention kernel, for every
+//! pattern of the library and for KV heads with different patterns in one
+//! dispatch, against softmax attention in f64 over exactly the keys the index
+//! lists (causal within them); a routed prefill of the default model against
+//! the dense one; and (ignored, for a real GPU) a needle in a 30K-token book.
 //!
 //! On lavapipe (CI) only the tiled path runs; sizes stay far below Debian 12
 //! lavapipe's cap of 65,535 loop iterations per invocation.
@@ -9,9 +10,15 @@
 mod common;
 
 use half::f16;
+use sift::engine::Session;
+use sift::gguf::GgufFile;
 use sift::gpu::attention::{Attention, AttentionShape};
-use sift::gpu::route::{Mask, SparseIndex};
+use sift::gpu::prefill::GpuPrefill;
+use sift::gpu::route::profile::{Entry, LatencyProfile, ProbeEntry};
+use sift::gpu::route::{Candidate, Mask, Pattern, RouteSettings, SparseIndex};
 use sift::gpu::{GpuContext, KernelPath};
+use sift::kv::Storage;
+use sift::model::Model;
 
 struct Noise(common::Rng);
 
@@ -99,12 +106,11 @@ fn check(ctx: &GpuContext, path: KernelPath, c: &Case, masks: &[&Mask], noise: &
     let (qb, kb, vb) = (ctx.upload("q", &q).unwrap(), ctx.upload("k", &k).unwrap(), ctx.upload("v", &v).unwrap());
     let ob = ctx.upload("o", &vec![f32::NAN; q_rows * c.n_head as usize * d]).unwrap();
     let gpu_index = index.upload(ctx).unwrap();
-    let bind = attention.bind_sparse(&ctx.device, [&qb, &kb, &vb, &ob], &gpu_index.buffers());
+    let buffers = gpu_index.buffers();
+    let bind = attention.bind_sparse(&ctx.device, [&qb, &kb, &vb, &ob], &buffers);
     let sizes = [qb.size(), kb.size(), vb.size(), ob.size()];
     let mut batch = ctx.batch();
-    batch
-        .record("sparse attention", |pass| attention.dispatch_sparse(pass, &bind, &shape, sizes, index.query_blocks))
-        .unwrap();
+    batch.record("sparse attention", |pass| attention.dispatch_sparse(pass, &bind, &shape, sizes, &buffers)).unwrap();
     batch.submit();
     let got: Vec<f32> = ctx.read(&ob, 0, want.len()).unwrap();
     let err = relative_error(&got, &want);
@@ -152,4 +158,178 @@ fn each_pattern_kernel_equals_attention_over_its_mask() {
         let c = Case { n: 300, pos0: 0, n_head: 8, n_kv_head: 4, d: 64 };
         check(ctx, path, &c, &[&vslash, &Mask::Dense, &ashape, &blocks], &mut noise);
     }
+}
+
+/// A latency profile with made-up times at `tokens` positions: dense 1000 µs
+/// a KV head, the smallest budget of each sparse pattern 300 µs, the others
+/// no cheaper than dense.
+fn synthetic_profile(tokens: u32, n_head: u32, n_kv_head: u32, head_dim: u32) -> LatencyProfile {
+    let entries = Candidate::library()
+        .into_iter()
+        .map(|c| {
+            let cheapest = c.pattern.budgets().first() == Some(&c.budget) && c.pattern != Pattern::Dense;
+            Entry { pattern: c.pattern, budget: c.budget, tokens, us: if cheapest { 300.0 } else { 1000.0 } }
+        })
+        .collect();
+    LatencyProfile {
+        adapter: "synthetic".into(),
+        driver: String::new(),
+        path: String::new(),
+        head_dim,
+        n_head,
+        n_kv_head,
+        entries,
+        probe: vec![ProbeEntry { tokens, us: 0.0 }],
+    }
+}
+
+/// A text with structure for attention to find: sentences drawn from a small
+/// vocabulary, some of them repeated.
+fn text(words: usize) -> String {
+    let vocabulary = [
+        "the", "river", "ran", "past", "an", "old", "mill", "where", "Anna", "kept", "her", "books", "and", "a",
+        "lamp", "that", "burned", "all", "night", "while", "wind", "came", "down", "from", "hills", "of", "grey",
+        "stone", "she", "wrote", "letters", "to", "brother", "in", "town",
+    ];
+    let mut rng = common::Rng(0x5eed_0113);
+    let mut sentences: Vec<String> = Vec::new();
+    let mut out = String::new();
+    while out.split_whitespace().count() < words {
+        let sentence = match sentences.len() > 4 && rng.next().is_multiple_of(3) {
+            true => sentences[(rng.next() % sentences.len() as u64) as usize].clone(),
+            false => {
+                let len = 6 + (rng.next() % 10) as usize;
+                let words: Vec<&str> =
+                    (0..len).map(|_| vocabulary[(rng.next() % vocabulary.len() as u64) as usize]).collect();
+                let s = format!("{}.", words.join(" "));
+                sentences.push(s.clone());
+                s
+            }
+        };
+        out.push_str(&sentence);
+        out.push(' ');
+    }
+    out
+}
+
+#[test]
+fn routed_prefill_of_a_short_prompt_gives_logits_close_to_dense() {
+    let Some(gpu) = common::gpu("routed_prefill_of_a_short_prompt_gives_logits_close_to_dense") else { return };
+    let path = common::default_model();
+    let file = GgufFile::open(&path).unwrap();
+    let model = Model::load(&file).unwrap();
+    let tokenizer = common::gemma3_tokenizer();
+    // 8 query blocks: the smallest budgets (4 blocks) leave about half out.
+    let mut tokens = tokenizer.encode(&text(450), true, false).unwrap();
+    tokens.truncate(512);
+    let n = tokens.len();
+    assert!(n == 512, "{n} tokens");
+    let hp = &model.hp;
+    let logits = |prefill: &GpuPrefill| {
+        let mut session = Session::with_cache(&model, n + 1, 512, Storage::default());
+        session.set_prefill_backend(Box::new(prefill));
+        session.prefill(&tokens).unwrap().to_vec()
+    };
+    let dense = logits(&GpuPrefill::new(gpu, &model).unwrap());
+    // τ = 0: the router goes sparse wherever it saves time, so that the
+    // comparison is of sparse attention, not of a fallback.
+    let settings = RouteSettings { budget: 0.5, tau: 0.0, ..RouteSettings::default() };
+    let profile = synthetic_profile(n as u32, hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim_k as u32);
+    let routed_prefill = GpuPrefill::new(gpu, &model).unwrap().with_routing_profile(settings, Some(profile)).unwrap();
+    let routed = logits(&routed_prefill);
+    let report = routed_prefill.routed().unwrap().report.lock().unwrap().clone();
+    let global_layers = (0..hp.n_layer).filter(|&il| hp.window(il).is_none()).count();
+    assert_eq!(report.layers.len(), global_layers, "{report:?}");
+    for layer in &report.layers {
+        for h in &layer.heads {
+            eprintln!(
+                "layer {} kv head {}: {} {:?} density {:.3} m̂ {:.4}",
+                layer.layer, h.kv_head, h.pattern, h.budget, h.density, h.mass_estimate
+            );
+            assert_ne!(h.pattern, "dense", "the budget asks for a sparse pattern: {report:?}");
+            assert!(h.density < 0.8, "{report:?}");
+        }
+        assert!(layer.planned_us <= layer.budget_us.unwrap(), "{layer:?}");
+    }
+    let diff = dense.iter().zip(&routed).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let norm = dense.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let l2 = dense.iter().zip(&routed).map(|(a, b)| (a - b).powi(2)).sum::<f32>().sqrt() / norm;
+    let top = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    eprintln!("{n} tokens: routed logits differ from dense by {diff:.3} at most, {l2:.4} relative");
+    assert_eq!(top(&dense), top(&routed), "the most likely next token changed");
+    assert!(l2 < 0.05, "relative logit difference {l2}");
+}
+
+/// A number hidden at 10%, 50% and 90% depth of a 30K-token PG-19 text and
+/// asked for at the end: routed prefill answers it whenever dense prefill
+/// does. Needs a GPU fast enough for 30K-token prefills (not lavapipe) and
+/// `../shared`; profiles the adapter first when it has no profile.
+#[test]
+#[ignore]
+fn routed_prefill_finds_the_needle_whenever_dense_does() {
+    let Some(shared) = common::shared_dir("routed_prefill_finds_the_needle_whenever_dense_does") else { return };
+    let book = std::fs::read_to_string(shared.join("data/pg19/10762.txt")).unwrap();
+    let cache = std::env::temp_dir().join(format!("sift-needle-{}", std::process::id()));
+    let sift = |args: &[&str], input: &[u8]| {
+        use std::io::Write;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(env!("CARGO_BIN_EXE_sift"))
+            .args(args)
+            .env("SIFT_CACHE_DIR", &cache)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        out
+    };
+    let model = common::default_model();
+    let model = model.to_str().unwrap();
+    sift(&["gpu-profile", "-m", model, "--tokens", "8192,16384,32768"], b"");
+    let number = "48213";
+    let needle = format!(" The secret number of the lighthouse keeper is {number}. ");
+    let question = "\n\nQuestion: What is the secret number of the lighthouse keeper?\nAnswer: The secret number of the lighthouse keeper is";
+    // About 4.2 characters a token in this book: 30K tokens.
+    let body: String = book.chars().take(124_000).collect();
+    let mut failures = Vec::new();
+    for depth in [0.1, 0.5, 0.9] {
+        let at = body
+            .char_indices()
+            .map(|(i, _)| i)
+            .find(|&i| i >= (body.len() as f64 * depth) as usize && body[..i].ends_with(". "))
+            .unwrap();
+        let prompt = format!("{}{needle}{}{question}", &body[..at], &body[at..]);
+        let answer = |attn: &str| {
+            let args = [
+                "run",
+                "-m",
+                model,
+                "--gpu",
+                "on",
+                "--prefill-attn",
+                attn,
+                "-c",
+                "32768",
+                "-n",
+                "8",
+                "--temp",
+                "0",
+                "--json",
+            ];
+            let out = sift(&args, prompt.as_bytes());
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            (json["text"].as_str().unwrap().to_string(), json["prompt_tokens"].as_u64().unwrap())
+        };
+        let (dense, tokens) = answer("dense");
+        let (routed, _) = answer("routed");
+        eprintln!("depth {depth}: {tokens} tokens; dense {dense:?}, routed {routed:?}");
+        if dense.contains(number) && !routed.contains(number) {
+            failures.push(depth);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&cache);
+    assert!(failures.is_empty(), "routed missed the needle that dense found at depths {failures:?}");
 }

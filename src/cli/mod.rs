@@ -22,7 +22,7 @@ use sift::chat::{ChatError, ChatTemplate, Origin};
 use sift::conversation::ConversationError;
 use sift::engine::{EngineError, Session};
 use sift::gguf::{GgufError, GgufFile, Residence};
-use sift::gpu::on_demand::{GpuMode, OnDemand};
+use sift::gpu::on_demand::{GpuMode, OnDemand, PrefillOptions};
 use sift::gpu::route::calibration::CalibrationFile;
 use sift::gpu::route::{Pattern, RouteSettings};
 use sift::gpu::{GpuError, KernelError};
@@ -159,6 +159,14 @@ pub struct GpuArgs {
     /// without one; off never opens the GPU. Decoding stays on the CPU
     #[arg(long, env = "SIFT_GPU", default_value = "auto", value_parser = ["auto", "on", "off"])]
     pub gpu: String,
+    /// Bounds the GPU working memory of one attention call of the prefill
+    /// (its Q, K, V, outputs and softmax statistics; not the weights or other
+    /// activations) to BYTES: a plain number, or one ending in K, M or G
+    /// (KiB, MiB, GiB). A call past it is computed exactly in pieces that fit,
+    /// by cyclic quorum sets (Stream-CQSA), and stderr reports the depth and
+    /// the time of each stage. Default: no bound but the device's
+    #[arg(long, env = "SIFT_GPU_MEM_BUDGET", value_name = "BYTES", value_parser = parse_bytes)]
+    pub gpu_mem_budget: Option<u64>,
     /// Attention of GPU prefill on layers without a window: dense (exact); routed picks per
     /// prompt and KV head among A-shape, vertical-slash, block-sparse and dense under
     /// --prefill-budget (needs `sift gpu-profile` once per adapter); ashape, vslash and
@@ -188,6 +196,29 @@ pub struct GpuArgs {
     pub prefill_audit: bool,
 }
 
+/// A positive byte count, with an optional K, M or G (powers of 1024).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let (digits, unit) = match s.char_indices().last() {
+        Some((at, c @ ('K' | 'M' | 'G' | 'k' | 'm' | 'g'))) => (&s[..at], c.to_ascii_uppercase()),
+        _ => (s, ' '),
+    };
+    let shift = match unit {
+        'K' => 10,
+        'M' => 20,
+        'G' => 30,
+        _ => 0,
+    };
+    let bytes = digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .ok_or_else(|| format!("'{s}' is not a byte count (a number, optionally ending in K, M or G)"))?;
+    match bytes {
+        0 => Err("a budget of 0 bytes holds nothing".into()),
+        b => Ok(b),
+    }
+}
+
 impl GpuArgs {
     pub fn mode(&self) -> GpuMode {
         self.gpu.parse().unwrap_or(GpuMode::Auto)
@@ -196,7 +227,7 @@ impl GpuArgs {
     /// Gives `session` the GPU prefill `--gpu` asks for (opened on first use,
     /// except with `on`, which opens it now).
     pub fn attach<'m>(&self, model: &'m Model<'m>, session: &mut Session<'m>) -> anyhow::Result<()> {
-        if let Some(backend) = OnDemand::new(model, self.mode(), self.route_settings(&model.hp)?)? {
+        if let Some(backend) = OnDemand::new(model, self.mode(), self.prefill_options(&model.hp)?)? {
             session.set_prefill_backend(Box::new(backend));
         }
         Ok(())
@@ -204,6 +235,11 @@ impl GpuArgs {
 }
 
 impl GpuArgs {
+    /// What the GPU prefill is set up with beyond `--gpu`.
+    pub fn prefill_options(&self, hp: &sift::model::hparams::HParams) -> anyhow::Result<PrefillOptions> {
+        Ok(PrefillOptions { attention_budget: self.gpu_mem_budget, route: self.route_settings(hp)? })
+    }
+
     /// The sparse prefill asked for; `None` for dense.
     pub fn route_settings(&self, hp: &sift::model::hparams::HParams) -> anyhow::Result<Option<RouteSettings>> {
         if self.prefill_attn == "dense" {

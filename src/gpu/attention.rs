@@ -25,10 +25,18 @@
 use super::pipeline::{Access, Pipeline};
 use super::{KernelError, KernelPath};
 
-const TILED: &str = include_str!("../../shaders/attention.wgsl");
+/// The tiled shader, whose `partial` entry computes the pieces of a
+/// decomposed call ([`super::cqs`]).
+pub(crate) const TILED: &str = include_str!("../../shaders/attention.wgsl");
 const COOPERATIVE: &str = include_str!("../../shaders/attention_coop.wgsl");
 const DENSE_KEYS: &str = include_str!("../../shaders/attention_keys_dense.wgsl");
 const SPARSE_KEYS: &str = include_str!("../../shaders/attention_keys_sparse.wgsl");
+
+/// The header the tiled shader is compiled behind for its dense entries (and
+/// for `partial`, which reads no key span but shares the module).
+pub(crate) fn tiled_header(head_dim: u32) -> String {
+    format!("const D: u32 = {head_dim}u;\n{DENSE_KEYS}")
+}
 
 /// Rows of the cooperative shader's blocks, in tokens and in positions; also
 /// the query and key blocks of a sparse index.
@@ -217,19 +225,21 @@ impl Attention {
         if self.sparse {
             return Err(KernelError::Shape { kernel: "sparse attention", what: "dispatched without an index".into() });
         }
-        self.dispatch_with(pass, bind, shape, sizes, 0)
+        self.dispatch_with(pass, bind, shape, sizes)
     }
 
-    /// [`Self::dispatch`] for a sparse kernel, whose index has `query_blocks`
-    /// query blocks per KV head (covering every query of `shape`).
+    /// [`Self::dispatch`] for a sparse kernel bound with `index`, which must
+    /// cover every query of `shape` (the shader finds the query blocks per KV
+    /// head from the length of its offsets).
     pub fn dispatch_sparse(
         &self,
         pass: &mut wgpu::ComputePass,
         bind: &wgpu::BindGroup,
         shape: &AttentionShape,
         sizes: [u64; 4],
-        query_blocks: u32,
+        index: &IndexBuffers,
     ) -> Result<(), KernelError> {
+        let query_blocks = index.query_blocks;
         let bad = |what: String| Err(KernelError::Shape { kernel: "sparse attention", what });
         if !self.sparse {
             return bad("a dense kernel dispatched with an index".into());
@@ -243,7 +253,11 @@ impl Attention {
         if query_blocks < shape.kv_len().div_ceil(BLOCK) {
             return bad(format!("an index of {query_blocks} query blocks for {} positions", shape.kv_len()));
         }
-        self.dispatch_with(pass, bind, shape, sizes, query_blocks)
+        let offsets = (shape.n_kv_head as u64 * query_blocks as u64 + 1) * 4;
+        if index.block_offsets.size() != offsets || index.column_offsets.size() != offsets {
+            return bad(format!("index offsets of {} bytes for {offsets}", index.block_offsets.size()));
+        }
+        self.dispatch_with(pass, bind, shape, sizes)
     }
 
     fn dispatch_with(
@@ -252,7 +266,6 @@ impl Attention {
         bind: &wgpu::BindGroup,
         shape: &AttentionShape,
         sizes: [u64; 4],
-        query_blocks: u32,
     ) -> Result<(), KernelError> {
         let bad = |what: String| Err(KernelError::Shape { kernel: "attention", what });
         if shape.n == 0 {
@@ -292,6 +305,8 @@ impl Attention {
         if groups[0] > 65535 || groups[1] > 65535 {
             return bad(format!("{} queries need more than 65535 workgroups", shape.n));
         }
+        // The tiled shader's shape goes on with `partial`'s fields: causal,
+        // and the keys (the cooperative shader reads the first six only).
         let immediates = [
             shape.n,
             shape.pos0,
@@ -299,7 +314,8 @@ impl Attention {
             shape.n_kv_head,
             shape.window.unwrap_or(0),
             shape.scale.to_bits(),
-            query_blocks,
+            1,
+            shape.kv_len(),
         ];
         self.kernel.dispatch(pass, bind, &immediates, groups);
         Ok(())

@@ -25,6 +25,7 @@ pub mod route;
 pub use context::{AdapterPolicy, Batch, GpuContext, GpuError, Kernel, Shader};
 
 pub mod attention;
+pub mod cqs;
 pub mod matmul;
 mod path;
 mod pipeline;

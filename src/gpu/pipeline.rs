@@ -26,6 +26,18 @@ impl Pipeline {
     /// Compiles `source` (entry point `main`) behind `header`, a few WGSL
     /// `const` declarations that fix its shape parameters.
     pub fn new(device: &wgpu::Device, label: &str, header: &str, source: &str, buffers: &[Access]) -> Self {
+        Self::entry(device, label, header, source, "main", buffers)
+    }
+
+    /// [`Self::new`] for the entry point `entry` of a shader that has several.
+    pub fn entry(
+        device: &wgpu::Device,
+        label: &str,
+        header: &str,
+        source: &str,
+        entry: &str,
+        buffers: &[Access],
+    ) -> Self {
         let entries: Vec<wgpu::BindGroupLayoutEntry> = buffers
             .iter()
             .enumerate()
@@ -64,7 +76,7 @@ impl Pipeline {
             label: Some(label),
             layout: Some(&pipeline_layout),
             module: &module,
-            entry_point: Some("main"),
+            entry_point: Some(entry),
             compilation_options: wgpu::PipelineCompilationOptions {
                 // Every kernel writes its workgroup memory before reading it.
                 zero_initialize_workgroup_memory: false,

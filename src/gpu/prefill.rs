@@ -24,6 +24,11 @@
 //! chosen per prompt), chunks are whole multiples of 64 tokens, and each
 //! prompt leaves a [`PrefillReport`].
 //!
+//! With an attention budget ([`GpuPrefill::with_attention_budget`]), a layer
+//! whose attention call would need more working memory than the budget
+//! reads its Q, K and V back and computes the call decomposed ([`Cqs`]),
+//! exactly, writing the output where the whole call would have.
+//!
 //! [`PagedLayer::store`]: crate::kv::PagedLayer::store
 
 use half::f16;
@@ -32,6 +37,8 @@ use wgpu::Buffer;
 
 use super::attention::{Attention, AttentionShape};
 use super::context::{Batch, GpuContext, GpuError};
+use super::cqs::plan::Mask;
+use super::cqs::{AttentionCall, Cqs, CqsReport};
 use super::layers::LayerKernels;
 use super::matmul::{Matmul, MatmulShape};
 use super::report::PrefillReport;
@@ -83,6 +90,10 @@ pub struct GpuPrefill<'m> {
     /// A cap on [`Self::chunk_tokens`] below the device's.
     max_chunk: usize,
     routed: Option<RoutedAttention>,
+    /// Decomposed attention for calls past the budget.
+    cqs: Option<Cqs>,
+    /// What it did in the last prompt.
+    cqs_report: std::sync::Mutex<CqsReport>,
 }
 
 /// The activations of one chunk of `tokens` rows.
@@ -151,13 +162,29 @@ impl<'m> GpuPrefill<'m> {
             min_tokens: 1,
             max_chunk: usize::MAX,
             routed: None,
+            cqs: None,
+            cqs_report: Default::default(),
         })
+    }
+
+    /// Bounds one attention call's working memory to `bytes` (see
+    /// [`super::cqs::working_bytes`]): calls past it are decomposed.
+    pub fn with_attention_budget(mut self, bytes: u64) -> Result<Self, GpuError> {
+        let hp = &self.model.hp;
+        self.cqs = Some(Cqs::new(self.ctx, hp.head_dim_k, hp.n_gqa(), Some(bytes))?);
+        Ok(self)
+    }
+
+    /// What decomposed attention did in the last prompt (zero calls when
+    /// every call fit).
+    pub fn attention_report(&self) -> CqsReport {
+        self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Routes the attention of layers without a window (or applies one fixed
     /// sparse pattern) as `settings` say. Routing reads this adapter's latency
     /// profile, which `sift gpu-profile` writes.
-    pub fn with_routing(mut self, settings: RouteSettings) -> Result<Self, GpuError> {
+    pub fn with_routing(self, settings: RouteSettings) -> Result<Self, GpuError> {
         let hp = &self.model.hp;
         let (d, hq, hk) = (hp.head_dim_k as u32, hp.n_head as u32, hp.n_head_kv as u32);
         let profile = match settings.pattern {
@@ -170,7 +197,18 @@ impl<'m> GpuPrefill<'m> {
                 })?)
             }
         };
-        self.routed = Some(RoutedAttention::new(self.ctx, self.path(), (d, hq / hk), settings, profile)?);
+        self.with_routing_profile(settings, profile)
+    }
+
+    /// [`Self::with_routing`] with the latency profile given.
+    pub fn with_routing_profile(
+        mut self,
+        settings: RouteSettings,
+        profile: Option<LatencyProfile>,
+    ) -> Result<Self, GpuError> {
+        let hp = &self.model.hp;
+        let (d, group) = (hp.head_dim_k as u32, hp.n_gqa() as u32);
+        self.routed = Some(RoutedAttention::new(self.ctx, self.path(), (d, group), settings, profile)?);
         Ok(self)
     }
 
@@ -274,6 +312,7 @@ impl<'m> GpuPrefill<'m> {
         let mut embedded = Vec::new();
         let mut rope = RopeTable::default();
         let mut stages = Stages { ctx: self.ctx, batch: None, trace };
+        *self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()) = CqsReport::default();
         for pos0 in (0..n).step_by(chunk) {
             let chunk_tokens = &tokens[pos0..(pos0 + chunk).min(n)];
             self.embed(chunk_tokens, &mut embedded);
@@ -306,6 +345,13 @@ impl<'m> GpuPrefill<'m> {
         self.store_keys_and_values(&resident, n, cache)?;
         if let Some(r) = &self.routed {
             self.finish_report(r, n, started.elapsed().as_secs_f64() * 1e3)?;
+        }
+        let report = self.attention_report();
+        if report.calls > 0 {
+            eprintln!(
+                "gpu: attention past the budget of {} bytes: {report}",
+                self.cqs.as_ref().and_then(Cqs::budget).unwrap_or(0)
+            );
         }
         for buffer in ws.into_buffers() {
             self.ctx.recycle(buffer);
@@ -369,8 +415,11 @@ impl<'m> GpuPrefill<'m> {
             window: hp.window(il).map(|w| w as u32),
             scale: hp.attn_scale,
         };
-        match &self.routed {
-            Some(routed) if routed.takes(&shape) => {
+        match (&self.routed, &self.cqs) {
+            (_, Some(cqs)) if !cqs.fits(n, pos0 + n, hp.n_head, hp.n_head_kv, hp.head_dim_k) => {
+                self.decomposed_attention(s, cqs, ws, keys, values, &shape)?
+            }
+            (Some(routed), _) if routed.takes(&shape) => {
                 s.submit();
                 let buffers = [&ws.q16, keys, values, &ws.attn];
                 routed.attend(self.ctx, il, &shape, buffers, &self.attention, hp.head_dim_k)?;
@@ -427,6 +476,43 @@ impl<'m> GpuPrefill<'m> {
                 reason: format!("cannot write {}: {e}", path.display()),
             })?;
         }
+        Ok(())
+    }
+
+    /// The attention of `shape` through [`Cqs`]: Q, K and V read back, the
+    /// output written into the workspace's.
+    fn decomposed_attention(
+        &self,
+        s: &mut Stages,
+        cqs: &Cqs,
+        ws: &Workspace,
+        keys: &Buffer,
+        values: &Buffer,
+        shape: &AttentionShape,
+    ) -> Result<(), GpuError> {
+        let hp = &self.model.hp;
+        let (n, kv_len) = (shape.n as usize, shape.kv_len() as usize);
+        let (q_dim, kv_dim) = (hp.n_head * hp.head_dim_k, hp.n_head_kv * hp.head_dim_k);
+        s.submit();
+        let q: Vec<f16> = self.ctx.read(&ws.q16, 0, n * q_dim)?;
+        let k: Vec<f16> = self.ctx.read(keys, 0, kv_len * kv_dim)?;
+        let v: Vec<f16> = self.ctx.read(values, 0, kv_len * kv_dim)?;
+        let call = AttentionCall {
+            q: &q,
+            k: &k,
+            v: &v,
+            queries: n,
+            keys: kv_len,
+            n_head: hp.n_head,
+            n_kv_head: hp.n_head_kv,
+            head_dim: hp.head_dim_k,
+            mask: Mask { causal: true, window: shape.window },
+            scale: shape.scale,
+        };
+        let mut out = vec![0.0f32; n * q_dim];
+        let report = cqs.attend(self.ctx, &call, &mut out)?;
+        self.ctx.write(&ws.attn, 0, &out);
+        self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()).absorb(&report);
         Ok(())
     }
 

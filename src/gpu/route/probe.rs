@@ -183,19 +183,17 @@ impl ProbeKernels {
                 reason: format!("{group} query heads per KV head; the probe takes {MAX_GROUP} at most"),
             });
         }
-        let (pipeline, bind, query_blocks) = match index {
-            None => (&self.dense_stats, self.dense_stats.bind(&ctx.device, &[rows.0, q16, keys, stats]), 0),
+        let (pipeline, bind) = match index {
+            None => (&self.dense_stats, self.dense_stats.bind(&ctx.device, &[rows.0, q16, keys, stats])),
             Some(i) => (
                 &self.sparse_stats,
                 self.sparse_stats.bind(
                     &ctx.device,
                     &[rows.0, q16, keys, stats, i.block_offsets, i.blocks, i.column_offsets, i.columns],
                 ),
-                i.query_blocks,
             ),
         };
-        let immediates =
-            [shape.n, shape.pos0, shape.n_head, shape.n_kv_head, 0, shape.scale.to_bits(), query_blocks, rows.1];
+        let immediates = [shape.n, shape.pos0, shape.n_head, shape.n_kv_head, 0, shape.scale.to_bits(), rows.1];
         batch.record("route row stats", |pass| {
             pipeline.dispatch(pass, &bind, &immediates, [rows.1, shape.n_kv_head, 1])
         });

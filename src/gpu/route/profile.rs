@@ -153,7 +153,8 @@ impl LatencyProfile {
                 let masks = vec![&mask; n_kv_head as usize];
                 let index = SparseIndex::new(&masks, n);
                 let gpu_index = index.upload(ctx)?;
-                let bind = attention.bind_sparse(&ctx.device, [&q, &k, &v, &o], &gpu_index.buffers());
+                let buffers = gpu_index.buffers();
+                let bind = attention.bind_sparse(&ctx.device, [&q, &k, &v, &o], &buffers);
                 let sizes = [q.size(), k.size(), v.size(), o.size()];
                 let mut samples = Vec::new();
                 for run in 0..=runs {
@@ -161,7 +162,7 @@ impl LatencyProfile {
                     batch.mark();
                     batch
                         .record("sparse attention", |pass| {
-                            attention.dispatch_sparse(pass, &bind, &shape, sizes, index.query_blocks)
+                            attention.dispatch_sparse(pass, &bind, &shape, sizes, &buffers)
                         })
                         .map_err(kernel_error)?;
                     batch.mark();

@@ -162,14 +162,13 @@ impl RoutedAttention {
         let gpu_index = index.upload(ctx)?;
         let routing_ms = routing_started.elapsed().as_secs_f64() * 1e3;
 
-        let bind = self.sparse.bind_sparse(&ctx.device, [q16, keys, values, out], &gpu_index.buffers());
+        let buffers = gpu_index.buffers();
+        let bind = self.sparse.bind_sparse(&ctx.device, [q16, keys, values, out], &buffers);
         let sizes = [q16.size(), keys.size(), values.size(), out.size()];
         let mut batch = ctx.batch();
         batch.mark();
         batch
-            .record("sparse attention", |pass| {
-                self.sparse.dispatch_sparse(pass, &bind, shape, sizes, index.query_blocks)
-            })
+            .record("sparse attention", |pass| self.sparse.dispatch_sparse(pass, &bind, shape, sizes, &buffers))
             .map_err(kernel_error)?;
         batch.mark();
         let kernel_ms = batch.submit_timed()?.and_then(|t| t.first().copied()).unwrap_or(0.0);
