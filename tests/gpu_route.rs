@@ -14,6 +14,7 @@ use sift::engine::Session;
 use sift::gguf::GgufFile;
 use sift::gpu::attention::{Attention, AttentionShape};
 use sift::gpu::prefill::GpuPrefill;
+use sift::gpu::route::calibration::CalibrationFile;
 use sift::gpu::route::profile::{Entry, LatencyProfile, ProbeEntry};
 use sift::gpu::route::{Candidate, Mask, Pattern, RouteSettings, SparseIndex};
 use sift::gpu::{GpuContext, KernelPath};
@@ -220,7 +221,7 @@ fn routed_prefill_of_a_short_prompt_gives_logits_close_to_dense() {
     let model = Model::load(&file).unwrap();
     let tokenizer = common::gemma3_tokenizer();
     // 8 query blocks: the smallest budgets (4 blocks) leave about half out.
-    let mut tokens = tokenizer.encode(&text(450), true, false).unwrap();
+    let mut tokens = tokenizer.encode(&text(600), true, false).unwrap();
     tokens.truncate(512);
     let n = tokens.len();
     assert!(n == 512, "{n} tokens");
@@ -269,7 +270,11 @@ fn routed_prefill_of_a_short_prompt_gives_logits_close_to_dense() {
 fn routed_prefill_finds_the_needle_whenever_dense_does() {
     let Some(shared) = common::shared_dir("routed_prefill_finds_the_needle_whenever_dense_does") else { return };
     let book = std::fs::read_to_string(shared.join("data/pg19/10762.txt")).unwrap();
-    let cache = std::env::temp_dir().join(format!("sift-needle-{}", std::process::id()));
+    // An existing SIFT_CACHE_DIR is taken to hold this adapter's profile (and
+    // the model's calibration); otherwise a fresh one is profiled.
+    let given = std::env::var_os("SIFT_CACHE_DIR").map(std::path::PathBuf::from);
+    let cache =
+        given.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("sift-needle-{}", std::process::id())));
     let sift = |args: &[&str], input: &[u8]| {
         use std::io::Write;
         use std::process::{Command, Stdio};
@@ -288,7 +293,9 @@ fn routed_prefill_finds_the_needle_whenever_dense_does() {
     };
     let model = common::default_model();
     let model = model.to_str().unwrap();
-    sift(&["gpu-profile", "-m", model, "--tokens", "8192,16384,32768"], b"");
+    if given.is_none() {
+        sift(&["gpu-profile", "-m", model, "--tokens", "32768", "--runs", "1"], b"");
+    }
     let number = "48213";
     let needle = format!(" The secret number of the lighthouse keeper is {number}. ");
     let question = "\n\nQuestion: What is the secret number of the lighthouse keeper?\nAnswer: The secret number of the lighthouse keeper is";
@@ -330,6 +337,96 @@ fn routed_prefill_finds_the_needle_whenever_dense_does() {
             failures.push(depth);
         }
     }
-    let _ = std::fs::remove_dir_all(&cache);
+    if given.is_none() {
+        let _ = std::fs::remove_dir_all(&cache);
+    }
     assert!(failures.is_empty(), "routed missed the needle that dense found at depths {failures:?}");
+}
+
+/// Teacher-forced perplexity of the 2048 tokens after a 30,720-token prefix
+/// prefilled on the GPU, dense against routed (audited), on two PG-19 books
+/// (10321 and 10762; calibrate δ on the other two). The prefix goes to the
+/// GPU, the scored tokens through the CPU's batched forward pass over the
+/// cache the prefill left. Routed must stay within 0.5% of dense, and the
+/// certificate must cover at least 95% of the audited heads. Needs a GPU fast
+/// enough for 30K-token prefills, this adapter's latency profile (`sift
+/// gpu-profile`) and `../shared`.
+#[test]
+#[ignore]
+fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
+    let Some(shared) = common::shared_dir("routed_prefix_perplexity_is_within_half_a_percent_of_dense") else { return };
+    let Some(gpu) = common::gpu("routed_prefix_perplexity_is_within_half_a_percent_of_dense") else { return };
+    let path = common::default_model();
+    let file = GgufFile::open(&path).unwrap();
+    let model = Model::load(&file).unwrap();
+    let tokenizer = common::gemma3_tokenizer();
+    let (prefix, scored) = (30_720, 2048);
+    let dense = GpuPrefill::new(gpu, &model).unwrap();
+    let settings = RouteSettings { audit: true, ..RouteSettings::default() };
+    let settings = match CalibrationFile::load(&CalibrationFile::file(&model.hp)) {
+        Ok(c) => RouteSettings { delta: c.delta, ..settings },
+        Err(e) => {
+            eprintln!("no calibration ({e}): delta {}", settings.delta);
+            settings
+        }
+    };
+    let routed = GpuPrefill::new(gpu, &model).unwrap().with_routing(settings).unwrap();
+    let mut head = sift::matmul::MatmulScratch::default();
+    let mut nll = |prefill: &GpuPrefill, tokens: &[u32]| -> f64 {
+        let mut session = Session::with_cache(&model, prefix + scored + 1, 512, Storage::default());
+        session.set_prefill_backend(Box::new(prefill));
+        session.prefill(&tokens[..prefix]).unwrap();
+        let n_vocab = model.hp.n_vocab;
+        let mut logits = vec![0.0f32; n_vocab];
+        let mut sum = 0.0;
+        // Position k predicts token k + 1: the scored tokens are prefix + 1 ..= prefix + scored.
+        for start in (prefix..prefix + scored).step_by(512) {
+            let hidden = session.evaluate_all(&tokens[start..start + 512]).unwrap().to_vec();
+            for (i, h) in hidden.chunks_exact(model.hp.n_embd).enumerate() {
+                model.logits(h, &mut logits, &mut head);
+                let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+                sum += lse - logits[tokens[start + i + 1] as usize] as f64;
+            }
+        }
+        sum / scored as f64
+    };
+    let (mut audited, mut covered, mut heads, mut fallbacks) = (0, 0, 0, 0);
+    for book in ["10321", "10762"] {
+        let text = std::fs::read_to_string(shared.join(format!("data/pg19/{book}.txt"))).unwrap();
+        let tokens = tokenizer.encode(&text, true, false).unwrap();
+        assert!(tokens.len() > prefix + scored + 1);
+        let dense_ppl = nll(&dense, &tokens).exp();
+        let routed_ppl = nll(&routed, &tokens).exp();
+        let report = routed.routed().unwrap().report.lock().unwrap().clone();
+        for layer in &report.layers {
+            for h in &layer.heads {
+                eprintln!(
+                    "{book} layer {} kv head {}: {} {:?} density {:.3} m̂ {:.4} m̲ {:.4} fallback {} {:?}",
+                    layer.layer,
+                    h.kv_head,
+                    h.pattern,
+                    h.budget,
+                    h.density,
+                    h.mass_estimate,
+                    h.mass_lower,
+                    h.fallback,
+                    h.audit
+                );
+            }
+        }
+        let s = &report.summary;
+        (audited, covered, heads, fallbacks) =
+            (audited + s.audited, covered + s.covered, heads + s.heads, fallbacks + s.fallbacks);
+        let change = routed_ppl / dense_ppl - 1.0;
+        eprintln!(
+            "{book}: PPL of {scored} tokens after {prefix}: dense {dense_ppl:.4}, routed {routed_ppl:.4} ({:+.3}%); attention {:.1} ms routed (wall) against {:.1} ms dense (profile)",
+            100.0 * change,
+            report.timing.routed_wall_ms,
+            report.timing.dense_estimate_ms
+        );
+        assert!(change.abs() <= 0.005, "{book}: routed PPL {routed_ppl} against dense {dense_ppl}");
+    }
+    eprintln!("fallback rate {fallbacks}/{heads}; certificate coverage {covered}/{audited}");
+    assert!(covered as f64 >= 0.95 * audited as f64, "coverage {covered}/{audited}");
 }
