@@ -17,7 +17,7 @@ use sift::attn::certified::synthetic::{SyntheticCache, SyntheticShape};
 use sift::attn::certified::{CertifiedPolicy, Params, PerturbationSeed};
 use sift::attn::dense::Dense;
 use sift::attn::topk::Topk;
-use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall};
+use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Scorer};
 use sift::kv::{KvMode, Storage, PAGE};
 
 const STEPS: usize = 9;
@@ -60,7 +60,7 @@ fn batch<'a>(cache: &'a SyntheticCache, queries: &'a [f32]) -> AttentionBatch<'a
         head_dim_k: shape.dim,
         head_dim_v: shape.dim,
         n_gqa: shape.n_gqa,
-        scale: shape.scale(),
+        scorer: Scorer::scaled(shape.scale()),
     }
 }
 

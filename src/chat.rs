@@ -83,6 +83,8 @@ pub enum BuiltIn {
     Llama3,
     /// `[INST] … [/INST]`, with the system text in `<<SYS>>` inside the first instruction.
     Llama2,
+    /// `<|user|>\n … <|end|>`, Phi-3's format.
+    Phi3,
 }
 
 impl BuiltIn {
@@ -90,8 +92,9 @@ impl BuiltIn {
     /// their vocabulary has Llama 3's header tokens, Llama 2 otherwise.
     pub fn for_model(arch: Arch, tokenizer: &Tokenizer) -> Self {
         match arch {
-            Arch::Gemma3 => BuiltIn::Gemma,
-            Arch::Qwen2 => BuiltIn::ChatMl,
+            Arch::Gemma2 | Arch::Gemma3 => BuiltIn::Gemma,
+            Arch::Qwen2 | Arch::Qwen3 => BuiltIn::ChatMl,
+            Arch::Phi3 => BuiltIn::Phi3,
             Arch::Llama => {
                 let has_header = (0..tokenizer.vocab_size() as u32)
                     .any(|id| tokenizer.token_text(id) == Some("<|start_header_id|>"));
@@ -110,6 +113,7 @@ impl BuiltIn {
             BuiltIn::ChatMl => "chatml",
             BuiltIn::Llama3 => "llama3",
             BuiltIn::Llama2 => "llama2",
+            BuiltIn::Phi3 => "phi3",
         }
     }
 
@@ -120,6 +124,7 @@ impl BuiltIn {
             BuiltIn::ChatMl => CHATML,
             BuiltIn::Llama3 => LLAMA3,
             BuiltIn::Llama2 => LLAMA2,
+            BuiltIn::Phi3 => PHI3,
         }
     }
 }
@@ -182,6 +187,15 @@ const LLAMA2: &str = r#"
         {{- ' ' + (message.content | trim) + ' ' + eos_token -}}
     {%- endif -%}
 {%- endfor -%}
+"#;
+
+const PHI3: &str = r#"
+{%- for message in messages -%}
+    {{- '<|' + message.role + '|>\n' + message.content + '<|end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|assistant|>\n' -}}
+{%- endif -%}
 "#;
 
 /// A compiled chat template and the token texts it is rendered with.

@@ -24,7 +24,7 @@ use half::f16;
 use sift::attn::audit::Audited;
 use sift::attn::dense::{attend, Dense};
 use sift::attn::topk::Topk;
-use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Measure};
+use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Measure, Scorer};
 use sift::engine::Session;
 use sift::gguf::GgufFile;
 use sift::kv::page::{KvMode, PagedLayer, Storage};
@@ -87,7 +87,7 @@ impl Fixture {
             head_dim_k: DIM_K,
             head_dim_v: DIM_V,
             n_gqa: N_GQA,
-            scale: SCALE,
+            scorer: Scorer::scaled(SCALE),
         }
     }
 

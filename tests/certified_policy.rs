@@ -13,7 +13,7 @@ use sift::attn::audit::{AuditTable, Audited};
 use sift::attn::certified::candidates::GroupScan;
 use sift::attn::certified::synthetic::{SyntheticCache, SyntheticShape};
 use sift::attn::certified::{CertifiedPolicy, Grid, Params, PerturbationSeed, Perturbations};
-use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Measure, Split};
+use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Measure, Scorer, Split};
 use sift::kv::{KvMode, Storage};
 
 const SHAPE: SyntheticShape = SyntheticShape { n_kv_head: 2, n_gqa: 2, dim: 64, len: 4096 };
@@ -46,7 +46,7 @@ fn run(cache: &mut SyntheticCache, policy: &mut dyn AttentionPolicy, steps: u64)
             head_dim_k: shape.dim,
             head_dim_v: shape.dim,
             n_gqa: shape.n_gqa,
-            scale: shape.scale(),
+            scorer: Scorer::scaled(shape.scale()),
         };
         let call = LayerCall { layer: 0, step, batch: &batch, cache: &cache.layer };
         policy.attend(&call, &mut out, &mut records);
@@ -106,7 +106,7 @@ fn candidate_bounds_hold_every_exact_score() {
             head_dim_k: shape.dim,
             head_dim_v: shape.dim,
             n_gqa: shape.n_gqa,
-            scale: shape.scale(),
+            scorer: Scorer::scaled(shape.scale()),
         };
         let call = LayerCall { layer: 0, step: 0, batch: &batch, cache: &cache.layer };
         let split = Split::of(call.visible(0));

@@ -112,6 +112,26 @@ fn llama2_built_in_otherwise() {
 }
 
 #[test]
+fn the_newer_families_fall_back_on_their_formats() {
+    let Some(tokenizer) = vocabulary("the_newer_families_fall_back_on_their_formats", "llama-spm") else { return };
+    for (arch, built_in) in
+        [(Arch::Qwen3, BuiltIn::ChatMl), (Arch::Gemma2, BuiltIn::Gemma), (Arch::Phi3, BuiltIn::Phi3)]
+    {
+        assert_eq!(BuiltIn::for_model(arch, &tokenizer), built_in, "{arch:?}");
+    }
+    // Phi-3's turns, as llama.cpp writes them: `<|role|>`, a newline, the text, `<|end|>`.
+    let template = ChatTemplate::for_model(&tokenizer, Arch::Phi3, None).unwrap();
+    assert_eq!(
+        render(&template, &conversation()),
+        "<|system|>\nYou are terse.<|end|>\n\
+         <|user|>\nHi<|end|>\n\
+         <|assistant|>\nHello!<|end|>\n\
+         <|user|>\nName a color.<|end|>\n\
+         <|assistant|>\n"
+    );
+}
+
+#[test]
 fn the_files_own_template_wins() {
     let Some(tokenizer) = vocabulary("the_files_own_template_wins", "qwen2") else { return };
     let template = ChatTemplate::for_model(&tokenizer, Arch::Qwen2, None).unwrap();

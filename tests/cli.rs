@@ -75,7 +75,7 @@ fn unsupported_architecture_exits_2() {
     let patched = tmp("mamba.gguf");
     std::fs::write(&patched, bytes).unwrap();
     let o = sift(&["run", "-m", patched.to_str().unwrap(), "-p", "hi"]);
-    assert_fails(&o, 2, "architecture 'mamba' is not supported");
+    assert_fails(&o, 2, "architecture 'mamba' is not supported (sift runs: llama, qwen2, qwen3, gemma2, gemma3, phi3)");
 }
 
 #[test]

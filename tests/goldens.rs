@@ -126,24 +126,44 @@ fn gemma3_270m_agrees_with_llama_cpp() {
     check_model(&common::default_model(), &refs.join("gemma3-270m-greedy.json"), &refs.join("gemma3-270m-logits"));
 }
 
-#[test]
-fn tiny_llama_agrees_with_llama_cpp() {
-    let Some(shared) = common::shared_dir("tiny_llama_agrees_with_llama_cpp") else { return };
+/// A tiny random-weight model of `../shared/anchors/models` against its references.
+fn check_tiny(name: &str, test: &str) {
+    let Some(shared) = common::shared_dir(test) else { return };
     let refs = shared.join("anchors/reference");
     check_model(
-        &shared.join("anchors/models/tiny-llama.gguf"),
-        &refs.join("tiny-llama-greedy.json"),
-        &refs.join("tiny-llama-logits"),
+        &shared.join(format!("anchors/models/tiny-{name}.gguf")),
+        &refs.join(format!("tiny-{name}-greedy.json")),
+        &refs.join(format!("tiny-{name}-logits")),
     );
 }
 
 #[test]
+fn tiny_llama_agrees_with_llama_cpp() {
+    check_tiny("llama", "tiny_llama_agrees_with_llama_cpp");
+}
+
+#[test]
 fn tiny_qwen2_agrees_with_llama_cpp() {
-    let Some(shared) = common::shared_dir("tiny_qwen2_agrees_with_llama_cpp") else { return };
-    let refs = shared.join("anchors/reference");
-    check_model(
-        &shared.join("anchors/models/tiny-qwen2.gguf"),
-        &refs.join("tiny-qwen2-greedy.json"),
-        &refs.join("tiny-qwen2-logits"),
-    );
+    check_tiny("qwen2", "tiny_qwen2_agrees_with_llama_cpp");
+}
+
+/// Per-head QK-norms, a head size of 64 from `key_length` (not 128 / 4), no biases.
+#[test]
+fn tiny_qwen3_agrees_with_llama_cpp() {
+    check_tiny("qwen3", "tiny_qwen3_agrees_with_llama_cpp");
+}
+
+/// Soft-capped attention scores and logits, even layers sliding over 32
+/// positions (the long case and the last steps of the short ones reach past
+/// the window), GELU, post-norms, head size 48.
+#[test]
+fn tiny_gemma2_agrees_with_llama_cpp() {
+    check_tiny("gemma2", "tiny_gemma2_agrees_with_llama_cpp");
+}
+
+/// Fused `attn_qkv` and gate-and-up `ffn_up` read as views, rotary
+/// embedding on 24 of each head's 32 values.
+#[test]
+fn tiny_phi3_agrees_with_llama_cpp() {
+    check_tiny("phi3", "tiny_phi3_agrees_with_llama_cpp");
 }

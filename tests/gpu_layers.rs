@@ -57,8 +57,17 @@ fn rope_matches_the_cpu_in_both_styles_with_frequency_factors() {
         (RopeStyle::Interleaved, 64, Some((0..32).map(|i| 1.0 + i as f32 * 0.25).collect::<Vec<f32>>())),
         (RopeStyle::Neox, 32, None),
     ] {
-        let rope =
-            Rope { style, n_rot, base: 10_000.0, base_sliding: 10_000.0, freq_scale: 0.5, freq_factors: factors };
+        let rope = Rope {
+            style,
+            n_rot,
+            base: 10_000.0,
+            base_sliding: 10_000.0,
+            freq_scale: 0.5,
+            freq_factors: factors,
+            long_factors: None,
+            original_context: 2048,
+            attn_factor: 1.0,
+        };
         let mut table = blocks::RopeTable::default();
         let pos0 = 3000;
         table.fill(&rope, rope.base, rope.freq_scale, pos0..pos0 + tokens);

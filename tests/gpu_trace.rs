@@ -16,7 +16,7 @@ use sift::attn::dense::Dense;
 use sift::engine::Session;
 use sift::gguf::GgufFile;
 use sift::gpu::prefill::GpuPrefill;
-use sift::kv::{KvCache, Storage};
+use sift::kv::{KvCache, KvMode, Storage, PAGE};
 use sift::model::{Attention, Model, Outputs, Scratch};
 use sift::sample::argmax;
 
@@ -50,7 +50,7 @@ fn compare_stages(test: &str, model_path: &Path, tokens: &[u32], tolerance: f32)
     let mut gpu_cache = KvCache::new(&model.cache_shape(), Storage::default(), 256, 256);
     let prefill = GpuPrefill::new(gpu, &model).unwrap();
     let mut record_gpu = |name: &str, layer: usize, rows: &[f32]| gpu_stages.push((name.into(), layer, rows.to_vec()));
-    let gpu_hidden = prefill.run(tokens, &mut gpu_cache, Outputs::All, Some(&mut record_gpu)).unwrap();
+    let gpu_hidden = prefill.run(tokens, 0, &mut gpu_cache, Outputs::All, Some(&mut record_gpu)).unwrap();
 
     let names = |s: &Stages| s.iter().map(|(n, l, _)| format!("{n}.{l}")).collect::<Vec<_>>();
     assert_eq!(names(&gpu_stages), names(&cpu_stages), "the GPU reports other stages than the CPU");
@@ -155,7 +155,7 @@ fn chunked_gpu_prefill_matches_one_chunk() {
     let run = |max_chunk: usize| {
         let mut cache = KvCache::new(&model.cache_shape(), Storage::default(), 256, 256);
         let prefill = GpuPrefill::new(gpu, &model).unwrap().with_max_chunk(max_chunk);
-        let hidden = prefill.run(&tokens, &mut cache, Outputs::All, None).unwrap();
+        let hidden = prefill.run(&tokens, 0, &mut cache, Outputs::All, None).unwrap();
         (hidden, cache)
     };
     let (whole, whole_cache) = run(usize::MAX);
@@ -172,4 +172,54 @@ fn chunked_gpu_prefill_matches_one_chunk() {
             assert!(relative_error(&a, &b) < 1e-3, "layer {il} position {pos}: cached values differ");
         }
     }
+}
+
+/// A prompt that continues a cache (a chat's next turn) goes to the GPU too,
+/// which attends to the cached positions as the CPU reads them. In f16 the
+/// continuation gives the hidden states of one GPU prefill of the whole
+/// prompt (the same keys and values, read back and uploaded again). In q8,
+/// with the first part's pages already coded, its logits are those of a CPU
+/// prefill split at the same point, which reads those pages coded too, and
+/// not those of a CPU prefill of the whole prompt in one batch, which reads
+/// its own keys exact.
+#[test]
+fn gpu_prefill_continues_a_cache() {
+    let test = "gpu_prefill_continues_a_cache";
+    let Some(gpu) = common::gpu(test) else { return };
+    let Some(shared) = common::shared_dir(test) else { return };
+    sift::matmul::set_f32_activations(true);
+    let file = GgufFile::open(shared.join("anchors/models/tiny-qwen2.gguf")).unwrap();
+    let model = Model::load(&file).unwrap();
+    let prefill = GpuPrefill::new(gpu, &model).unwrap();
+    let tokens = prompt(3 * PAGE + 20, 30_000);
+    let (first, rest) = tokens.split_at(2 * PAGE + 10);
+
+    let mut whole_cache = KvCache::new(&model.cache_shape(), Storage::default(), 512, 512);
+    let whole = prefill.run(&tokens, 0, &mut whole_cache, Outputs::All, None).unwrap();
+    let mut cache = KvCache::new(&model.cache_shape(), Storage::default(), 512, 512);
+    prefill.run(first, 0, &mut cache, Outputs::All, None).unwrap();
+    let continued = prefill.run(rest, first.len(), &mut cache, Outputs::All, None).unwrap();
+    let err = relative_error(&continued, &whole[first.len() * model.hp.n_embd..]);
+    assert!(err < 1e-4, "a continued GPU prefill differs from one prefill of the whole prompt by {err}");
+
+    let storage = Storage { mode: KvMode::Q8, residual: PAGE, ..Storage::default() };
+    let cpu_logits = |split: bool| {
+        let mut cpu = Session::with_cache(&model, 512, 512, storage);
+        if split {
+            cpu.prefill(first).unwrap();
+            cpu.prefill(rest).unwrap().to_vec()
+        } else {
+            cpu.prefill(&tokens).unwrap().to_vec()
+        }
+    };
+    let mut on_gpu = Session::with_cache(&model, 512, 512, storage);
+    on_gpu.prefill(first).unwrap();
+    on_gpu.set_prefill_backend(Box::new(&prefill));
+    let gpu_logits = on_gpu.prefill(rest).unwrap().to_vec();
+    let (split, whole) = (cpu_logits(true), cpu_logits(false));
+    let (err_split, err_whole) = (relative_error(&gpu_logits, &split), relative_error(&gpu_logits, &whole));
+    eprintln!("{test}: q8 logits against the split CPU prefill {err_split}, against one batch {err_whole}");
+    assert!(err_split < 0.05, "q8: logits of a GPU continuation differ from the CPU's by {err_split}");
+    assert!(err_split < 0.5 * err_whole, "q8: the GPU continuation did not read the coded pages as the CPU does");
+    assert_eq!(argmax(&gpu_logits), argmax(&split), "q8: the continuations rank another token first");
 }

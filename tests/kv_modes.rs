@@ -33,7 +33,7 @@ mod common;
 
 use half::f16;
 use sift::attn::dense::attend;
-use sift::attn::AttentionBatch;
+use sift::attn::{AttentionBatch, Scorer};
 use sift::kv::page::{KvMode, PagedLayer, Storage, RESIDUAL, SINK};
 use sift::kv::{CacheShape, PAGE};
 
@@ -275,7 +275,7 @@ fn check_dense_attention(n_kv_head: usize, n_gqa: usize, batch: usize, len: usiz
             head_dim_k: 64,
             head_dim_v: 80,
             n_gqa,
-            scale: 1.0,
+            scorer: Scorer::scaled(1.0),
         };
         let mut out = vec![0.0; batch * n_head * 80];
         attend(&attention, &layer, &mut out);
@@ -487,7 +487,7 @@ fn overlapping_attention_calls_agree_with_sequential_ones() {
         head_dim_k: 64,
         head_dim_v: 80,
         n_gqa: 4,
-        scale: 0.125,
+        scorer: Scorer::scaled(0.125),
     };
     let run = || {
         let mut out = vec![0.0; batch * 4 * 80];

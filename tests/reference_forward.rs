@@ -4,8 +4,11 @@
 //!
 //! The reference is deliberately naive: it recomputes every position from
 //! scratch with full-precision arithmetic, shares no code with sift, and
-//! states each architecture's quirks (RoPE pairing, Gemma's embedding scale,
-//! sliding windows, QK-norm, post-norms, biases, tied heads) on its own.
+//! states each architecture's quirks on its own: RoPE pairing and partial
+//! rotation, Gemma's embedding scale, GELU and post-norms, sliding windows
+//! (Gemma 3: every 6th layer global; Gemma 2: odd layers global), QK-norm,
+//! biases, tied heads, Gemma 2's soft-capped scores and logits, Phi-3's fused
+//! tensors and LongRoPE's factors.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -17,6 +20,9 @@ use sift::engine::Session;
 use sift::gguf::GgufFile;
 use sift::model::Model;
 
+/// The context every check runs at.
+const N_CTX: usize = 64;
+
 #[derive(Clone, Copy)]
 struct Spec {
     arch: &'static str,
@@ -25,18 +31,35 @@ struct Spec {
     n_layer: usize,
     n_head: usize,
     n_head_kv: usize,
+    /// Written as `attention.key_length` / `value_length`.
     head_dim: usize,
     n_ff: usize,
-    rope_base: f64,
+    /// `rope.freq_base`; not written when `None` (the default 10 000 then).
+    rope_base: Option<f64>,
+    /// `rope.dimension_count` below the head size: partial rotary.
+    n_rot: Option<usize>,
     eps: f64,
-    /// Gemma 3: window of the sliding layers (every 6th layer is global).
+    /// The sliding layers' window.
     window: Option<usize>,
     qkv_bias: bool,
+    /// Per-head RMS norms of queries and keys.
+    qk_norm: bool,
     tied: bool,
     /// Llama 3 style per-frequency divisors in `rope_freqs.weight`.
     rope_freqs: bool,
     /// Store attention matrices as F16 (activations then meet f16 rounding).
     f16_attention: bool,
+    /// Gemma 2's caps on attention scores and on logits, written as keys.
+    softcaps: Option<(f64, f64)>,
+    /// LongRoPE: short and long factors, the original context (long
+    /// factors apply beyond it) and the attention factor.
+    long_rope: Option<LongRope>,
+}
+
+#[derive(Clone, Copy)]
+struct LongRope {
+    original_context: usize,
+    attn_factor: f64,
 }
 
 const LLAMA: Spec = Spec {
@@ -48,14 +71,42 @@ const LLAMA: Spec = Spec {
     n_head_kv: 2,
     head_dim: 16,
     n_ff: 96,
-    rope_base: 10_000.0,
+    rope_base: Some(10_000.0),
+    n_rot: None,
     eps: 1e-5,
     window: None,
     qkv_bias: false,
+    qk_norm: false,
     tied: false,
     rope_freqs: false,
     f16_attention: false,
+    softcaps: None,
+    long_rope: None,
 };
+
+impl Spec {
+    fn gemma(&self) -> bool {
+        self.arch.starts_with("gemma")
+    }
+
+    fn phi3(&self) -> bool {
+        self.arch == "phi3"
+    }
+
+    fn rotated(&self) -> usize {
+        self.n_rot.unwrap_or(self.head_dim)
+    }
+
+    /// Whether layer `il` attends within the window.
+    fn sliding(&self, il: usize) -> bool {
+        self.window.is_some()
+            && match self.arch {
+                "gemma3" => !(il + 1).is_multiple_of(6),
+                "gemma2" => il.is_multiple_of(2),
+                _ => false,
+            }
+    }
+}
 
 /// Deterministic N(0, 1)-ish values (sum of uniforms), so the test needs no RNG crate.
 struct Noise(u64);
@@ -73,90 +124,158 @@ impl Noise {
     }
 }
 
-/// The weights as the file stores them (f16 rounding already applied where stored as F16).
+/// The weights as the file stores them (f16 rounding already applied where
+/// stored as F16), a fused tensor's parts under their own names.
 type Weights = HashMap<String, Vec<f64>>;
 
-fn write_model(spec: &Spec, seed: u64) -> (PathBuf, Weights) {
-    let mut noise = Noise(seed);
-    let mut w = Weights::new();
-    let mut b = GGUFBuilder::new();
-    let a = spec.arch;
-    let meta_u32 = |b: GGUFBuilder, k: &str, v: usize| b.add_metadata(format!("{a}.{k}"), MetadataValue::U32(v as u32));
-    b = b.add_metadata("general.architecture", MetadataValue::String(a.into()));
-    b = meta_u32(b, "context_length", 256);
-    b = meta_u32(b, "embedding_length", spec.n_embd);
-    b = meta_u32(b, "block_count", spec.n_layer);
-    b = meta_u32(b, "feed_forward_length", spec.n_ff);
-    b = meta_u32(b, "attention.head_count", spec.n_head);
-    b = meta_u32(b, "attention.head_count_kv", spec.n_head_kv);
-    b = meta_u32(b, "attention.key_length", spec.head_dim);
-    b = meta_u32(b, "attention.value_length", spec.head_dim);
-    b = b.add_metadata(format!("{a}.attention.layer_norm_rms_epsilon"), MetadataValue::F32(spec.eps as f32));
-    b = b.add_metadata(format!("{a}.rope.freq_base"), MetadataValue::F32(spec.rope_base as f32));
-    if let Some(window) = spec.window {
-        b = meta_u32(b, "attention.sliding_window", window);
+/// Draws tensors, keeps what the file will hold, and writes them.
+struct Writer {
+    builder: GGUFBuilder,
+    noise: Noise,
+    weights: Weights,
+}
+
+impl Writer {
+    /// Values of `rows` x `cols` drawn and rounded as stored, recorded as `name`.
+    fn draw(&mut self, name: String, rows: usize, cols: usize, std: f64, mean: f64, f16: bool) -> Vec<f64> {
+        let values = self.noise.vec(rows * cols, std, mean);
+        let stored: Vec<f64> = match f16 {
+            true => values.iter().map(|&v| half::f16::from_f64(v).to_f64()).collect(),
+            false => values.iter().map(|&v| f64::from(v as f32)).collect(),
+        };
+        self.weights.insert(name, stored.clone());
+        stored
     }
 
-    let mut add = |b: GGUFBuilder, name: String, dims: Vec<usize>, std: f64, mean: f64, f16: bool| -> GGUFBuilder {
-        let n: usize = dims.iter().product();
-        let shape = dims.iter().map(|&d| d as u64).collect();
-        let values = noise.vec(n, std, mean);
-        let (b, stored) = if f16 {
-            let halves: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f64(v)).collect();
-            let bytes = halves.iter().flat_map(|h| h.to_le_bytes()).collect();
-            (
-                b.add_tensor(name.clone(), shape, TensorType::F16, bytes).unwrap(),
-                halves.iter().map(|h| h.to_f64()).collect(),
-            )
+    /// Writes `values` (`rows` of `cols`; a vector when `rows` is 1).
+    fn put(&mut self, name: String, rows: usize, cols: usize, values: &[f64], f16: bool) {
+        let shape = if rows == 1 { vec![cols as u64] } else { vec![cols as u64, rows as u64] };
+        let builder = std::mem::take(&mut self.builder);
+        self.builder = if f16 {
+            let bytes = values.iter().flat_map(|&v| half::f16::from_f64(v).to_le_bytes()).collect();
+            builder.add_tensor(name, shape, TensorType::F16, bytes).unwrap()
         } else {
-            let floats: Vec<f32> = values.iter().map(|&v| v as f32).collect();
-            let stored = floats.iter().map(|&f| f64::from(f)).collect();
-            (b.add_f32_tensor(name.clone(), shape, floats).unwrap(), stored)
+            builder.add_f32_tensor(name, shape, values.iter().map(|&v| v as f32).collect()).unwrap()
         };
-        w.insert(name, stored);
-        b
-    };
+    }
+
+    fn tensor(&mut self, name: String, rows: usize, cols: usize, std: f64, mean: f64, f16: bool) {
+        let values = self.draw(name.clone(), rows, cols, std, mean, f16);
+        self.put(name, rows, cols, &values, f16);
+    }
+
+    /// One tensor whose rows are the `parts` stacked in order, each drawn
+    /// as `(name, rows, std)` and recorded under its own name.
+    fn fused(&mut self, name: String, parts: &[(String, usize, f64)], cols: usize, f16: bool) {
+        let mut rows = 0;
+        let mut values = Vec::new();
+        for (part, part_rows, std) in parts {
+            values.extend(self.draw(part.clone(), *part_rows, cols, *std, 0.0, f16));
+            rows += part_rows;
+        }
+        self.put(name, rows, cols, &values, f16);
+    }
+
+    fn meta(&mut self, key: String, value: MetadataValue) {
+        self.builder = std::mem::take(&mut self.builder).add_metadata(key, value);
+    }
+}
+
+fn write_model(spec: &Spec, seed: u64) -> (PathBuf, Weights) {
+    let mut w = Writer { builder: GGUFBuilder::new(), noise: Noise(seed), weights: Weights::new() };
+    let a = spec.arch;
+    let u32_key = |w: &mut Writer, k: &str, v: usize| w.meta(format!("{a}.{k}"), MetadataValue::U32(v as u32));
+    let f32_key = |w: &mut Writer, k: &str, v: f64| w.meta(format!("{a}.{k}"), MetadataValue::F32(v as f32));
+    w.meta("general.architecture".into(), MetadataValue::String(a.into()));
+    u32_key(&mut w, "context_length", 256);
+    u32_key(&mut w, "embedding_length", spec.n_embd);
+    u32_key(&mut w, "block_count", spec.n_layer);
+    u32_key(&mut w, "feed_forward_length", spec.n_ff);
+    u32_key(&mut w, "attention.head_count", spec.n_head);
+    u32_key(&mut w, "attention.head_count_kv", spec.n_head_kv);
+    u32_key(&mut w, "attention.key_length", spec.head_dim);
+    u32_key(&mut w, "attention.value_length", spec.head_dim);
+    f32_key(&mut w, "attention.layer_norm_rms_epsilon", spec.eps);
+    if let Some(base) = spec.rope_base {
+        f32_key(&mut w, "rope.freq_base", base);
+    }
+    if let Some(n_rot) = spec.n_rot {
+        u32_key(&mut w, "rope.dimension_count", n_rot);
+    }
+    if let Some(window) = spec.window {
+        u32_key(&mut w, "attention.sliding_window", window);
+    }
+    if let Some((attention, output)) = spec.softcaps {
+        f32_key(&mut w, "attn_logit_softcapping", attention);
+        f32_key(&mut w, "final_logit_softcapping", output);
+    }
+    if let Some(long) = spec.long_rope {
+        u32_key(&mut w, "rope.scaling.original_context_length", long.original_context);
+        f32_key(&mut w, "rope.scaling.attn_factor", long.attn_factor);
+    }
+
     let (e, hd) = (spec.n_embd, spec.head_dim);
     let (q_dim, kv_dim) = (spec.n_head * hd, spec.n_head_kv * hd);
     let inv = |n: usize| 1.0 / (n as f64).sqrt();
-    b = add(b, "token_embd.weight".into(), vec![e, spec.n_vocab], 1.0, 0.0, false);
-    b = add(b, "output_norm.weight".into(), vec![e], 0.1, 1.0, false);
+    let f16 = spec.f16_attention;
+    w.tensor("token_embd.weight".into(), spec.n_vocab, e, 1.0, 0.0, false);
+    w.tensor("output_norm.weight".into(), 1, e, 0.1, 1.0, false);
     if !spec.tied {
-        b = add(b, "output.weight".into(), vec![e, spec.n_vocab], 0.5, 0.0, false);
+        w.tensor("output.weight".into(), spec.n_vocab, e, 0.5, 0.0, false);
     }
     if spec.rope_freqs {
-        b = add(b, "rope_freqs.weight".into(), vec![hd / 2], 1.0, 4.0, false);
+        w.tensor("rope_freqs.weight".into(), 1, hd / 2, 1.0, 4.0, false);
     }
-    let gemma = spec.arch == "gemma3";
+    if spec.long_rope.is_some() {
+        w.tensor("rope_factors_short.weight".into(), 1, spec.rotated() / 2, 0.2, 1.3, false);
+        w.tensor("rope_factors_long.weight".into(), 1, spec.rotated() / 2, 1.0, 5.0, false);
+    }
     for il in 0..spec.n_layer {
         let t = |n: &str| format!("blk.{il}.{n}");
-        let f16 = spec.f16_attention;
-        b = add(b, t("attn_norm.weight"), vec![e], 0.1, 1.0, false);
-        b = add(b, t("attn_q.weight"), vec![e, q_dim], 1.5 * inv(e), 0.0, f16);
-        b = add(b, t("attn_k.weight"), vec![e, kv_dim], 1.5 * inv(e), 0.0, f16);
-        b = add(b, t("attn_v.weight"), vec![e, kv_dim], inv(e), 0.0, f16);
+        w.tensor(t("attn_norm.weight"), 1, e, 0.1, 1.0, false);
+        let (q, k, v) = (
+            (t("attn_q.weight"), q_dim, 1.5 * inv(e)),
+            (t("attn_k.weight"), kv_dim, 1.5 * inv(e)),
+            (t("attn_v.weight"), kv_dim, inv(e)),
+        );
+        if spec.phi3() {
+            w.fused(t("attn_qkv.weight"), &[q, k, v], e, f16);
+        } else {
+            for (name, rows, std) in [q, k, v] {
+                w.tensor(name, rows, e, std, 0.0, f16);
+            }
+        }
         if spec.qkv_bias {
-            b = add(b, t("attn_q.bias"), vec![q_dim], 0.5, 0.0, false);
-            b = add(b, t("attn_k.bias"), vec![kv_dim], 1.0, 0.0, false);
-            b = add(b, t("attn_v.bias"), vec![kv_dim], 0.3, 0.0, false);
+            w.tensor(t("attn_q.bias"), 1, q_dim, 0.5, 0.0, false);
+            w.tensor(t("attn_k.bias"), 1, kv_dim, 1.0, 0.0, false);
+            w.tensor(t("attn_v.bias"), 1, kv_dim, 0.3, 0.0, false);
         }
-        if gemma {
-            b = add(b, t("attn_q_norm.weight"), vec![hd], 0.1, 1.0, false);
-            b = add(b, t("attn_k_norm.weight"), vec![hd], 0.1, 1.0, false);
-            b = add(b, t("post_attention_norm.weight"), vec![e], 0.1, 1.0, false);
-            b = add(b, t("post_ffw_norm.weight"), vec![e], 0.1, 1.0, false);
+        if spec.qk_norm {
+            w.tensor(t("attn_q_norm.weight"), 1, hd, 0.1, 1.0, false);
+            w.tensor(t("attn_k_norm.weight"), 1, hd, 0.1, 1.0, false);
         }
-        b = add(b, t("attn_output.weight"), vec![q_dim, e], inv(q_dim), 0.0, f16);
-        b = add(b, t("ffn_norm.weight"), vec![e], 0.1, 1.0, false);
-        b = add(b, t("ffn_gate.weight"), vec![e, spec.n_ff], inv(e), 0.0, false);
-        b = add(b, t("ffn_up.weight"), vec![e, spec.n_ff], inv(e), 0.0, false);
-        b = add(b, t("ffn_down.weight"), vec![spec.n_ff, e], inv(spec.n_ff), 0.0, false);
+        if spec.gemma() {
+            w.tensor(t("post_attention_norm.weight"), 1, e, 0.1, 1.0, false);
+            w.tensor(t("post_ffw_norm.weight"), 1, e, 0.1, 1.0, false);
+        }
+        w.tensor(t("attn_output.weight"), e, q_dim, inv(q_dim), 0.0, f16);
+        w.tensor(t("ffn_norm.weight"), 1, e, 0.1, 1.0, false);
+        let (gate, up) = ((t("ffn_gate.weight"), spec.n_ff, inv(e)), (t("ffn_up.weight"), spec.n_ff, inv(e)));
+        if spec.phi3() {
+            // Phi-3's `ffn_up` holds the gate's rows, then the up projection's.
+            w.fused(t("ffn_up.weight"), &[gate, up], e, false);
+        } else {
+            for (name, rows, std) in [gate, up] {
+                w.tensor(name, rows, e, std, 0.0, false);
+            }
+        }
+        w.tensor(t("ffn_down.weight"), e, spec.n_ff, inv(spec.n_ff), 0.0, false);
     }
     let dir = std::env::temp_dir().join(format!("sift-reference-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(format!("{}-{seed}.gguf", spec.arch));
-    b.build_to_file(&path).unwrap();
-    (path, w)
+    w.builder.build_to_file(&path).unwrap();
+    (path, w.weights)
 }
 
 // ---- the f64 reference -------------------------------------------------
@@ -172,24 +291,44 @@ fn rms_norm(x: &[f64], w: &[f64], eps: f64) -> Vec<f64> {
     x.iter().zip(w).map(|(v, g)| v * s * g).collect()
 }
 
-fn rope(head: &mut [f64], pos: usize, base: f64, neox: bool, freq_factors: Option<&[f64]>) {
-    let d = head.len();
+/// `cap · tanh(x / cap)`.
+fn softcap(x: f64, cap: f64) -> f64 {
+    cap * (x / cap).tanh()
+}
+
+/// How a head's first `n_rot` values are rotated.
+struct Rotation<'a> {
+    n_rot: usize,
+    base: f64,
+    neox: bool,
+    /// Per-frequency divisors.
+    factors: Option<&'a [f64]>,
+    /// What cos and sin are multiplied by.
+    attn_factor: f64,
+}
+
+fn rope(head: &mut [f64], pos: usize, r: &Rotation) {
+    let d = r.n_rot;
     for i in 0..d / 2 {
-        let mut theta = pos as f64 * base.powf(-2.0 * i as f64 / d as f64);
-        if let Some(f) = freq_factors {
+        let mut theta = pos as f64 * r.base.powf(-2.0 * i as f64 / d as f64);
+        if let Some(f) = r.factors {
             theta /= f[i];
         }
-        let (a, b) = if neox { (i, i + d / 2) } else { (2 * i, 2 * i + 1) };
+        let (a, b) = if r.neox { (i, i + d / 2) } else { (2 * i, 2 * i + 1) };
         let (x0, x1) = (head[a], head[b]);
-        head[a] = x0 * theta.cos() - x1 * theta.sin();
-        head[b] = x0 * theta.sin() + x1 * theta.cos();
+        let (cos, sin) = (theta.cos() * r.attn_factor, theta.sin() * r.attn_factor);
+        head[a] = x0 * cos - x1 * sin;
+        head[b] = x0 * sin + x1 * cos;
     }
 }
 
-/// Logits after every position of `tokens`.
+fn gelu_tanh(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// Logits after every position of `tokens`, for a context of [`N_CTX`].
 fn reference_logits(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
-    let gemma = spec.arch == "gemma3";
-    let neox = spec.arch != "llama";
+    let gemma = spec.gemma();
     let (e, hd) = (spec.n_embd, spec.head_dim);
     let get = |n: String| w.get(&n).unwrap_or_else(|| panic!("{n}")).as_slice();
     let mut xs: Vec<Vec<f64>> = tokens
@@ -200,11 +339,25 @@ fn reference_logits(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
             row.iter().map(|v| v * scale).collect()
         })
         .collect();
-    let freq_factors = w.get("rope_freqs.weight").map(Vec::as_slice);
+    // LongRoPE: the long factors when the context exceeds the original one.
+    let long_context = spec.long_rope.is_some_and(|l| N_CTX > l.original_context);
+    let factors = match (spec.rope_freqs, spec.long_rope, long_context) {
+        (true, ..) => Some("rope_freqs.weight"),
+        (_, Some(_), false) => Some("rope_factors_short.weight"),
+        (_, Some(_), true) => Some("rope_factors_long.weight"),
+        _ => None,
+    };
+    let base = spec.rope_base.unwrap_or(10_000.0);
     for il in 0..spec.n_layer {
         let t = |n: &str| format!("blk.{il}.{n}");
-        let sliding = gemma && spec.window.is_some() && (il + 1) % 6 != 0;
-        let base = if sliding { 10_000.0 } else { spec.rope_base };
+        let sliding = spec.sliding(il);
+        let rotation = Rotation {
+            n_rot: spec.rotated(),
+            base: if sliding && spec.arch == "gemma3" { 10_000.0 } else { base },
+            neox: spec.arch != "llama",
+            factors: factors.map(|f| w[f].as_slice()),
+            attn_factor: spec.long_rope.map_or(1.0, |l| l.attn_factor),
+        };
         let mut qs = Vec::new();
         let mut ks = Vec::new();
         let mut vs = Vec::new();
@@ -212,7 +365,8 @@ fn reference_logits(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
             let h = rms_norm(x, get(t("attn_norm.weight")), spec.eps);
             let mut q = matvec(get(t("attn_q.weight")), &h);
             let mut k = matvec(get(t("attn_k.weight")), &h);
-            let mut v = matvec(get(t("attn_v.weight")), &h);
+            let v = matvec(get(t("attn_v.weight")), &h);
+            let mut v = v;
             if spec.qkv_bias {
                 for (y, bias) in [(&mut q, "attn_q.bias"), (&mut k, "attn_k.bias"), (&mut v, "attn_v.bias")] {
                     y.iter_mut().zip(get(t(bias))).for_each(|(a, b)| *a += b);
@@ -220,11 +374,11 @@ fn reference_logits(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
             }
             for (y, norm) in [(&mut q, "attn_q_norm.weight"), (&mut k, "attn_k_norm.weight")] {
                 for head in y.chunks_exact_mut(hd) {
-                    if gemma {
+                    if spec.qk_norm {
                         let n = rms_norm(head, get(t(norm)), spec.eps);
                         head.copy_from_slice(&n);
                     }
-                    rope(head, pos, base, neox, if gemma { None } else { freq_factors });
+                    rope(head, pos, &rotation);
                 }
             }
             qs.push(q);
@@ -242,8 +396,9 @@ fn reference_logits(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
                 let q = &qs[pos][h * hd..(h + 1) * hd];
                 let scores: Vec<f64> = (first..=pos)
                     .map(|j| {
-                        q.iter().zip(&ks[j][kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum::<f64>()
-                            / (hd as f64).sqrt()
+                        let dot: f64 = q.iter().zip(&ks[j][kvh * hd..(kvh + 1) * hd]).map(|(a, b)| a * b).sum();
+                        let s = dot / (hd as f64).sqrt();
+                        spec.softcaps.map_or(s, |(cap, _)| softcap(s, cap))
                     })
                     .collect();
                 let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -266,14 +421,7 @@ fn reference_logits(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
             let act: Vec<f64> = gate
                 .iter()
                 .zip(&up)
-                .map(|(&g, &u)| {
-                    let a = if gemma {
-                        0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh())
-                    } else {
-                        g / (1.0 + (-g).exp())
-                    };
-                    a * u
-                })
+                .map(|(&g, &u)| u * if gemma { gelu_tanh(g) } else { g / (1.0 + (-g).exp()) })
                 .collect();
             let mut f = matvec(get(t("ffn_down.weight")), &act);
             if gemma {
@@ -283,7 +431,12 @@ fn reference_logits(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
         }
     }
     let head = if spec.tied { &w["token_embd.weight"] } else { &w["output.weight"] };
-    xs.iter().map(|x| matvec(head, &rms_norm(x, &w["output_norm.weight"], spec.eps))).collect()
+    xs.iter()
+        .map(|x| {
+            let logits = matvec(head, &rms_norm(x, &w["output_norm.weight"], spec.eps));
+            logits.into_iter().map(|z| spec.softcaps.map_or(z, |(_, cap)| softcap(z, cap))).collect()
+        })
+        .collect()
 }
 
 // ---- the comparison ----------------------------------------------------
@@ -297,7 +450,7 @@ fn check(spec: Spec, seed: u64) {
     let file = GgufFile::open(&path).unwrap();
     let model = Model::load(&file).unwrap();
     // Batches of 4 make the sliding layers' rings (window + batch slots) wrap.
-    let mut session = Session::with_batch(&model, 64, 4);
+    let mut session = Session::with_batch(&model, N_CTX, 4);
     let prompt = 9;
     let mut worst = 0.0f64;
     let mut check_step = |pos: usize, logits: &[f32]| {
@@ -328,7 +481,7 @@ fn llama_with_f16_attention_and_llama3_rope_freqs_matches() {
 
 #[test]
 fn qwen2_with_biases_matches_f64_reference() {
-    check(Spec { arch: "qwen2", qkv_bias: true, tied: true, rope_base: 1e6, eps: 1e-6, ..LLAMA }, 3);
+    check(Spec { arch: "qwen2", qkv_bias: true, tied: true, rope_base: Some(1e6), eps: 1e-6, ..LLAMA }, 3);
 }
 
 #[test]
@@ -342,11 +495,53 @@ fn gemma3_with_sliding_window_matches_f64_reference() {
             n_head_kv: 1,
             head_dim: 32,
             window: Some(4),
-            rope_base: 1e6,
+            qk_norm: true,
+            rope_base: Some(1e6),
             eps: 1e-6,
             tied: true,
             ..LLAMA
         },
         4,
     );
+}
+
+#[test]
+fn qwen3_with_qk_norm_and_its_own_head_size_matches_f64_reference() {
+    // Heads of 32 on a 64-wide model with 4 heads: queries are 128 wide.
+    check(Spec { arch: "qwen3", head_dim: 32, qk_norm: true, tied: true, rope_base: Some(1e6), eps: 1e-6, ..LLAMA }, 5);
+}
+
+#[test]
+fn gemma2_with_soft_caps_and_alternating_windows_matches_f64_reference() {
+    // Four layers, 0 and 2 sliding over 4 positions: the 9-token prompt and
+    // the steps after it reach past the window. Caps low enough to bend the
+    // scores (about ±3 here) and the logits (about ±8).
+    check(
+        Spec {
+            arch: "gemma2",
+            n_layer: 4,
+            head_dim: 24,
+            window: Some(4),
+            softcaps: Some((1.5, 4.0)),
+            rope_base: None,
+            eps: 1e-6,
+            tied: true,
+            ..LLAMA
+        },
+        6,
+    );
+}
+
+#[test]
+fn phi3_with_fused_tensors_and_partial_rotary_matches_f64_reference() {
+    // 12 of each head's 16 values rotated; the short factors apply, the
+    // context (64) being within the original one.
+    let long_rope = LongRope { original_context: 256, attn_factor: 1.2 };
+    check(Spec { arch: "phi3", n_rot: Some(12), long_rope: Some(long_rope), tied: true, ..LLAMA }, 7);
+}
+
+#[test]
+fn phi3_beyond_its_original_context_takes_longrope_long_factors() {
+    let long_rope = LongRope { original_context: 32, attn_factor: 1.1 };
+    check(Spec { arch: "phi3", n_rot: Some(12), long_rope: Some(long_rope), ..LLAMA }, 8);
 }

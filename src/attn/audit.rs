@@ -26,7 +26,7 @@ use std::ops::Range;
 use half::slice::HalfFloatSliceExt;
 
 use super::read::{round_to_f16, HeadRows};
-use super::{worth_sparse, AttentionKind, AttentionPolicy, Checked, HeadRecord, LayerCall, Measure};
+use super::{worth_sparse, AttentionKind, AttentionPolicy, Checked, HeadRecord, LayerCall, Measure, Scorer};
 use crate::kv::Rows;
 
 /// A policy with exact attention computed beside it.
@@ -65,7 +65,7 @@ impl AttentionPolicy for Audited {
             let rows = HeadRows::new(call, kv_head);
             let mut queries = batch.queries[kv_head * g * dim_k..][..g * dim_k].to_vec();
             round_to_f16(&mut queries, &mut halves);
-            let exact = ExactAttention::of(&rows, &queries, batch.scale, visible.clone());
+            let exact = ExactAttention::of(&rows, &queries, batch.scorer, visible.clone());
             let all = std::slice::from_ref(&visible);
             let dense_bytes = (rows.key_bytes(all) + rows.value_bytes(all)) as f64;
             for (i, exact) in exact.iter().enumerate() {
@@ -100,11 +100,11 @@ pub struct ExactAttention {
 
 impl ExactAttention {
     /// Exact attention of each of `queries` (rows of the head's key size)
-    /// over `positions` of `rows`, scores scaled by `scale`. The dot
+    /// over `positions` of `rows`, scored by `scorer`. The dot
     /// products and weighted sums are `simd`'s, in f32 without any f16
     /// rounding (relative error about `2^-24·√d`, far below any error the
     /// audit reports); the softmax and its normalization are in f64.
-    pub fn of(rows: &HeadRows, queries: &[f32], scale: f32, positions: Range<usize>) -> Vec<Self> {
+    pub fn of(rows: &HeadRows, queries: &[f32], scorer: Scorer, positions: Range<usize>) -> Vec<Self> {
         let kernels = simd::kernels();
         let (heads, n, dim_v) = (queries.len() / rows.dim_k, positions.len(), rows.dim_v);
         let all = std::slice::from_ref(&positions);
@@ -114,7 +114,7 @@ impl ExactAttention {
         let mut weights = vec![0.0f32; heads * n];
         let mut results = Vec::with_capacity(heads);
         for (scores, weights) in scores.chunks_exact(n).zip(weights.chunks_exact_mut(n)) {
-            let s = |x: f32| f64::from(scale) * f64::from(x);
+            let s = |x: f32| scorer.score_f64(f64::from(x));
             let max = scores.iter().map(|&x| s(x)).fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = scores.iter().map(|&x| (s(x) - max).exp()).collect();
             let d: f64 = w.iter().sum();

@@ -133,7 +133,7 @@ fn record_dense(call: &LayerCall, records: &mut Vec<HeadRecord>) {
 }
 
 /// `out` gets `n_tokens` rows of `n_head * head_dim_v`: for every token and
-/// head, softmax(scale · q·K) · V over the positions the cache shows it.
+/// head, softmax(score(q·K)) · V over the positions the cache shows it.
 ///
 /// The work goes by *group*: one token's query heads that share a KV head,
 /// which read each key and value once for all of them. Groups run in
@@ -326,12 +326,13 @@ impl<'a> Group<'a> {
         }
     }
 
-    /// `scores[h][j] = scale · q_h·k_j` for the keys at `positions`.
+    /// `scores[h][j]`, the score of `q_h·k_j` ([`super::Scorer`]), for the
+    /// keys at `positions`.
     fn score(&self, kernels: &Kernels, queries: &[f32], positions: Range<usize>, scores: &mut [f32]) {
         let (dim, n) = (self.batch.head_dim_k, positions.len());
         let keys = self.stretches(positions, dim, |p| p.0, PagedLayer::key_rows);
         read::score(kernels, dim, queries, keys, scores, n);
-        scores.iter_mut().for_each(|x| *x *= self.batch.scale);
+        self.batch.scorer.score_all(scores);
     }
 
     /// Turns each head's scores into probabilities rounded to f16 (as ggml

@@ -36,7 +36,76 @@ pub struct AttentionBatch<'a> {
     pub head_dim_v: usize,
     /// Query heads per KV head.
     pub n_gqa: usize,
+    /// How a query–key dot product becomes the score the softmax takes.
+    pub scorer: Scorer,
+}
+
+/// How a query–key dot product `q·k` becomes an attention score: scaled,
+/// `s = scale · q·k`, then, for a model that soft-caps its attention logits
+/// (Gemma 2), `cap · tanh(s / cap)`. Every policy scores through this, on
+/// exact dot products and on bounds alike.
+///
+/// The cap is increasing and 1-Lipschitz, which is all a sparse policy's
+/// reasoning needs from it: bounds `l ≤ q·k ≤ u` become bounds on the
+/// capped score by capping them ([`Self::bounds`]), a key's softmax weight
+/// is still `exp(score)`, and what the certificate proves about weights and
+/// values holds for any scores. Capping also never widens the spread of the
+/// scores, so the softmax only gets flatter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Scorer {
     pub scale: f32,
+    pub softcap: Option<f32>,
+}
+
+/// Relative slack on capped bounds: more than `tanh`'s rounding in f32 (a
+/// few units in the last place, 2^-24 each) and in f64.
+const CAP_SLACK: f64 = 1e-6;
+
+impl Scorer {
+    /// Scaling alone, no cap.
+    pub fn scaled(scale: f32) -> Self {
+        Self { scale, softcap: None }
+    }
+
+    /// The score of a dot product, in f32, as every policy computes it.
+    pub fn score(self, dot: f32) -> f32 {
+        let s = self.scale * dot;
+        match self.softcap {
+            Some(cap) => cap * (s / cap).tanh(),
+            None => s,
+        }
+    }
+
+    /// [`Self::score`] of every element, in place.
+    pub fn score_all(self, dots: &mut [f32]) {
+        dots.iter_mut().for_each(|x| *x = self.score(*x));
+    }
+
+    /// The score of a dot product in f64, for references.
+    pub fn score_f64(self, dot: f64) -> f64 {
+        let s = f64::from(self.scale) * dot;
+        match self.softcap {
+            Some(cap) => f64::from(cap) * (s / f64::from(cap)).tanh(),
+            None => s,
+        }
+    }
+
+    /// Bounds `(l, u)` on the score, in f32 as [`Self::score`] computes it
+    /// and in f64, of any dot product within `[lower, upper]`: the scaled
+    /// ends stepped outward past f32's rounding, then capped (the cap is
+    /// increasing) with a margin for `tanh`'s rounding.
+    pub fn bounds(self, lower: f32, upper: f32) -> (f64, f64) {
+        let (lo, hi) = (f64::from((self.scale * lower).next_down()), f64::from((self.scale * upper).next_up()));
+        match self.softcap {
+            None => (lo, hi),
+            Some(cap) => {
+                let cap = |s: f64| f64::from(cap) * (s / f64::from(cap)).tanh();
+                let slack = |s: f64| s.abs() * CAP_SLACK + f64::from(f32::MIN_POSITIVE);
+                let (lo, hi) = (cap(lo), cap(hi));
+                (lo - slack(lo), hi + slack(hi))
+            }
+        }
+    }
 }
 
 impl AttentionBatch<'_> {

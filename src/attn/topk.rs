@@ -66,7 +66,7 @@ impl Topk {
         let n = read::count(&self.ranges);
         self.scores.resize(n, 0.0);
         rows.scores(kernels, &self.query, &self.ranges, &mut self.scores);
-        self.scores.iter_mut().for_each(|s| *s *= batch.scale);
+        batch.scorer.score_all(&mut self.scores);
         let max = self.scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let sum = kernels.softmax_exp(&mut self.scores, max);
         let inv_sum = 1.0 / sum;

@@ -152,8 +152,8 @@ pub struct CacheArgs {
 /// Where prompts are prefilled, for every command that runs the model.
 #[derive(Args, Clone)]
 pub struct GpuArgs {
-    /// GPU prefill through Vulkan: auto prefills a prompt of at least 2048
-    /// tokens that starts the context on a discrete or integrated GPU when
+    /// GPU prefill through Vulkan: auto prefills a prompt (or a chat's next
+    /// turn) of at least 2048 tokens on a discrete or integrated GPU when
     /// there is one (the CPU otherwise); on prefills every such prompt on the
     /// GPU, a software renderer such as lavapipe included, and fails (exit 2)
     /// without one; off never opens the GPU. Decoding stays on the CPU

@@ -312,6 +312,24 @@ impl GpuContext {
         out
     }
 
+    /// [`Self::read`] through a staging buffer freed after, for sizes that
+    /// do not recur (a pool would only hoard them).
+    pub fn read_once<T: Pod>(&self, buffer: &wgpu::Buffer, offset: u64, len: usize) -> Result<Vec<T>, GpuError> {
+        let bytes = padded_bytes(len * size_of::<T>());
+        let usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
+        self.check_size("readback", bytes, usage)?;
+        let staging = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("readback"),
+            size: bytes,
+            usage,
+            mapped_at_creation: false,
+        });
+        let mut encoder = self.device.create_command_encoder(&Default::default());
+        encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, bytes);
+        self.queue.submit([encoder.finish()]);
+        self.map_and_copy(&staging, len)
+    }
+
     fn map_and_copy<T: Pod>(&self, staging: &wgpu::Buffer, len: usize) -> Result<Vec<T>, GpuError> {
         let (sender, receiver) = mpsc::channel();
         staging.map_async(wgpu::MapMode::Read, .., move |result| {

@@ -74,6 +74,7 @@ pub struct PrefillOptions {
 pub fn upload<'m>(model: &'m Model<'m>, mode: GpuMode, options: &PrefillOptions) -> Result<GpuPrefill<'m>, GpuError> {
     // `off` takes no prompt.
     let min_tokens = mode.min_tokens().unwrap_or(usize::MAX);
+    GpuPrefill::supports(&model.hp)?;
     let gpu = shared(mode.adapter_policy())?;
     let started = std::time::Instant::now();
     let mut prefill = GpuPrefill::new(gpu, model)?.with_min_tokens(min_tokens);
@@ -144,8 +145,8 @@ impl<'m> OnDemand<'m> {
 }
 
 impl PrefillBackend for OnDemand<'_> {
-    fn takes(&mut self, pos0: usize, n: usize) -> bool {
-        if pos0 != 0 || n < self.min_tokens || matches!(self.state, State::Unavailable) {
+    fn takes(&mut self, _pos0: usize, n: usize) -> bool {
+        if n < self.min_tokens || matches!(self.state, State::Unavailable) {
             return false;
         }
         let mode = self.mode;

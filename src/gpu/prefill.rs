@@ -13,8 +13,13 @@
 //! anything back. When the prompt is done they are read back once and stored
 //! into the CPU cache position by position through [`PagedLayer::store`],
 //! which builds the sketches and codes of the quantized modes exactly as the
-//! CPU prefill does. Prompts that continue a cache already holding positions
-//! are the CPU's to prefill.
+//! CPU prefill does.
+//!
+//! A prompt may continue a cache that already holds positions (a chat's next
+//! turn): before the first chunk, the positions the new rows can see are
+//! uploaded from the cache as attention reads them there ([`PagedLayer::key`]
+//! and [`PagedLayer::value`]: coded pages dequantized), so the GPU attends to
+//! the same keys and values a CPU prefill of the continuation would.
 //!
 //! The stages are those of [`Model::forward`], under the same names; with a
 //! [`Trace`], each stage's output is read back and handed to it.
@@ -30,8 +35,13 @@
 //! exactly, writing the output where the whole call would have.
 //!
 //! [`PagedLayer::store`]: crate::kv::PagedLayer::store
+//! [`PagedLayer::key`]: crate::kv::PagedLayer::key
+//! [`PagedLayer::value`]: crate::kv::PagedLayer::value
+
+use std::ops::Range;
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use rayon::prelude::*;
 use wgpu::Buffer;
 
@@ -113,9 +123,27 @@ struct Workspace {
 }
 
 impl<'m> GpuPrefill<'m> {
+    /// Whether the GPU's kernels compute every step of `hp`'s layers, else
+    /// the step they lack (attention-logit soft-capping, Gemma 2's). Checked
+    /// before any device is opened, so that `--gpu auto` keeps such a model
+    /// on the CPU and `--gpu on` says why it cannot.
+    pub fn supports(hp: &HParams) -> Result<(), GpuError> {
+        match hp.attn_softcap {
+            Some(cap) => Err(GpuError::Kernel {
+                kernel: "attention".into(),
+                reason: format!(
+                    "{} soft-caps attention scores (at {cap}), which the GPU does not",
+                    hp.arch.gguf_name()
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Uploads `model`'s layers to `ctx`'s device and builds the kernels.
     pub fn new(ctx: &'m GpuContext, model: &'m Model<'m>) -> Result<Self, GpuError> {
         let hp = &model.hp;
+        Self::supports(hp)?;
         let path = KernelPath::best(ctx).map_err(kernel_error)?;
         let attention =
             Attention::new(&ctx.device, path, hp.head_dim_k as u32, hp.n_gqa() as u32).map_err(kernel_error)?;
@@ -257,8 +285,7 @@ impl<'m> GpuPrefill<'m> {
         n >= self.min_tokens
     }
 
-    /// [`Self::run`] for the engine's seam, which gives the GPU only prompts
-    /// that start at position 0.
+    /// [`Self::run`] for the engine's seam.
     pub fn prefill_into(
         &self,
         tokens: &[u32],
@@ -267,23 +294,24 @@ impl<'m> GpuPrefill<'m> {
         outputs: Outputs,
         hidden: &mut Vec<f32>,
     ) -> Result<(), EngineError> {
-        assert_eq!(pos0, 0, "the GPU prefills prompts from position 0 only");
-        *hidden = self.run(tokens, cache, outputs, None)?;
+        *hidden = self.run(tokens, pos0, cache, outputs, None)?;
         Ok(())
     }
 
-    /// Runs `tokens` at positions `0..` through every layer, stores each
-    /// layer's keys and values in `cache` (which must be empty), and returns
-    /// the final-normed hidden states of the `outputs` rows.
+    /// Runs `tokens` at positions `start..` through every layer (`cache`
+    /// holds positions `..start`), stores each layer's keys and values in
+    /// `cache`, and returns the final-normed hidden states of the `outputs`
+    /// rows.
     pub fn run(
         &self,
         tokens: &[u32],
+        start: usize,
         cache: &mut KvCache,
         outputs: Outputs,
         trace: Option<Trace>,
     ) -> Result<Vec<f32>, GpuError> {
         let hp = &self.model.hp;
-        let n = tokens.len();
+        let (n, end) = (tokens.len(), start + tokens.len());
         let started = std::time::Instant::now();
         if let Some(r) = &self.routed {
             *r.report.lock().unwrap_or_else(|p| p.into_inner()) = PrefillReport::default();
@@ -293,7 +321,7 @@ impl<'m> GpuPrefill<'m> {
         let kv_dim = hp.n_head_kv * hp.head_dim_k;
         // Resident keys and values: every position, padded to the attention
         // kernel's blocks with zeros (finite).
-        let rows = n.next_multiple_of(64);
+        let rows = end.next_multiple_of(64);
         let resident: Vec<(Buffer, Buffer)> = (0..hp.n_layer)
             .map(|_| -> Result<_, GpuError> {
                 let k = self.ctx.storage::<f16>("resident keys", rows * kv_dim)?;
@@ -308,20 +336,21 @@ impl<'m> GpuPrefill<'m> {
         }
         zero.clear(&ws.q16);
         zero.submit();
+        self.upload_cached_keys_and_values(&resident, start, cache)?;
         let mut hidden = Vec::new();
         let mut embedded = Vec::new();
         let mut rope = RopeTable::default();
         let mut stages = Stages { ctx: self.ctx, batch: None, trace };
         *self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()) = CqsReport::default();
-        for pos0 in (0..n).step_by(chunk) {
-            let chunk_tokens = &tokens[pos0..(pos0 + chunk).min(n)];
+        for pos0 in (start..end).step_by(chunk) {
+            let chunk_tokens = &tokens[pos0 - start..(pos0 - start + chunk).min(n)];
             self.embed(chunk_tokens, &mut embedded);
             self.ctx.write(&ws.x, 0, &embedded);
             let positions = pos0..pos0 + chunk_tokens.len();
             for (table, base, scale) in
                 [(&ws.rope_global, hp.rope.base, hp.rope.freq_scale), (&ws.rope_sliding, hp.rope.base_sliding, 1.0)]
             {
-                rope.fill(&hp.rope, base, scale, positions.clone());
+                rope.fill(&hp.rope.at_context(cache.n_ctx()), base, scale, positions.clone());
                 let pairs: Vec<[f32; 2]> = rope.cos_sin().iter().map(|&(c, s)| [c, s]).collect();
                 self.ctx.write(table, 0, &pairs);
             }
@@ -331,18 +360,18 @@ impl<'m> GpuPrefill<'m> {
             stages.submit();
             let wanted = match outputs {
                 Outputs::All => 0..chunk_tokens.len(),
-                Outputs::Last if pos0 + chunk_tokens.len() == n => chunk_tokens.len() - 1..chunk_tokens.len(),
+                Outputs::Last if pos0 + chunk_tokens.len() == end => chunk_tokens.len() - 1..chunk_tokens.len(),
                 Outputs::Last => 0..0,
             };
             if !wanted.is_empty() {
                 let x: Vec<f32> =
                     self.ctx.read(&ws.x, (wanted.start * hp.n_embd * 4) as u64, wanted.len() * hp.n_embd)?;
-                let start = hidden.len();
-                hidden.resize(start + x.len(), 0.0);
-                blocks::rms_norm(&x, &self.model.weights().output_norm, hp.rms_eps, &mut hidden[start..]);
+                let at = hidden.len();
+                hidden.resize(at + x.len(), 0.0);
+                blocks::rms_norm(&x, &self.model.weights().output_norm, hp.rms_eps, &mut hidden[at..]);
             }
         }
-        self.store_keys_and_values(&resident, n, cache)?;
+        self.store_keys_and_values(&resident, start..end, cache)?;
         if let Some(r) = &self.routed {
             self.finish_report(r, n, started.elapsed().as_secs_f64() * 1e3)?;
         }
@@ -559,24 +588,58 @@ impl<'m> GpuPrefill<'m> {
         })
     }
 
-    /// Reads every layer's resident keys and values back and stores them in
-    /// `cache`, position by position, layers in parallel.
+    /// Uploads the cached keys and values that rows from `start` on can see
+    /// (every earlier position on a global layer, the window on a sliding
+    /// one) into each layer's resident buffers.
+    fn upload_cached_keys_and_values(
+        &self,
+        resident: &[(Buffer, Buffer)],
+        start: usize,
+        cache: &KvCache,
+    ) -> Result<(), GpuError> {
+        if start == 0 {
+            return Ok(());
+        }
+        let hp = &self.model.hp;
+        let (n_kv, dk, dv) = (hp.n_head_kv, hp.head_dim_k, hp.head_dim_v);
+        for (il, (keys, values)) in resident.iter().enumerate() {
+            let layer = cache.layer(il);
+            let seen = layer.visible(start).start..start;
+            let (mut k16, mut v16) = (vec![f16::ZERO; seen.len() * n_kv * dk], vec![f16::ZERO; seen.len() * n_kv * dv]);
+            let (mut k32, mut v32) = (vec![0.0; dk], vec![0.0; dv]);
+            for (i, pos) in seen.clone().enumerate() {
+                for h in 0..n_kv {
+                    layer.key(h, pos, &mut k32);
+                    layer.value(h, pos, &mut v32);
+                    k16[(i * n_kv + h) * dk..][..dk].convert_from_f32_slice(&k32);
+                    v16[(i * n_kv + h) * dv..][..dv].convert_from_f32_slice(&v32);
+                }
+            }
+            self.ctx.write(keys, (seen.start * n_kv * dk * 2) as u64, &k16);
+            self.ctx.write(values, (seen.start * n_kv * dv * 2) as u64, &v16);
+        }
+        Ok(())
+    }
+
+    /// Reads every layer's resident keys and values at `positions` back and
+    /// stores them in `cache`, position by position, layers in parallel.
     fn store_keys_and_values(
         &self,
         resident: &[(Buffer, Buffer)],
-        n: usize,
+        positions: Range<usize>,
         cache: &mut KvCache,
     ) -> Result<(), GpuError> {
         let kv_dim = self.model.hp.n_head_kv * self.model.hp.head_dim_k;
+        let (offset, len) = ((positions.start * kv_dim * 2) as u64, positions.len() * kv_dim);
         let read: Vec<(Vec<f16>, Vec<f16>)> = resident
             .iter()
-            .map(|(k, v)| Ok((self.ctx.read(k, 0, n * kv_dim)?, self.ctx.read(v, 0, n * kv_dim)?)))
+            .map(|(k, v)| Ok((self.ctx.read(k, offset, len)?, self.ctx.read(v, offset, len)?)))
             .collect::<Result<_, GpuError>>()?;
         cache.layers_mut().par_iter_mut().zip(&read).for_each(|(layer, (keys, values))| {
             let (mut k32, mut v32) = (vec![0.0; kv_dim], vec![0.0; kv_dim]);
-            for pos in 0..n {
+            for (i, pos) in positions.clone().enumerate() {
                 for (dst, src) in [(&mut k32, keys), (&mut v32, values)] {
-                    for (d, s) in dst.iter_mut().zip(&src[pos * kv_dim..(pos + 1) * kv_dim]) {
+                    for (d, s) in dst.iter_mut().zip(&src[i * kv_dim..(i + 1) * kv_dim]) {
                         *d = s.to_f32();
                     }
                 }
@@ -645,8 +708,8 @@ fn kernel_error(e: super::KernelError) -> GpuError {
 
 /// One upload serving many sessions (`sift bench`).
 impl PrefillBackend for &GpuPrefill<'_> {
-    fn takes(&mut self, pos0: usize, n: usize) -> bool {
-        pos0 == 0 && self.takes_prompt(n)
+    fn takes(&mut self, _pos0: usize, n: usize) -> bool {
+        self.takes_prompt(n)
     }
 
     fn prefill(

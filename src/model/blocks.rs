@@ -43,17 +43,19 @@ pub struct RopeTable {
 impl RopeTable {
     /// Angles are computed in f32 the way ggml does (a running product of
     /// `base^(-2/n_rot)`), so positions far into the context rotate exactly as
-    /// llama.cpp rotates them.
+    /// llama.cpp rotates them; cos and sin are then multiplied by the
+    /// rotation's attention factor, as ggml's `mscale`.
     pub fn fill(&mut self, rope: &Rope, base: f32, freq_scale: f32, positions: std::ops::Range<usize>) {
         self.half = rope.n_rot / 2;
         self.cos_sin.clear();
         let theta_scale = base.powf(-2.0 / rope.n_rot as f32);
+        let m = rope.attn_factor;
         for pos in positions {
             let mut theta = pos as f32;
             for i in 0..self.half {
                 let divisor = rope.freq_factors.as_ref().map_or(1.0, |f| f[i]);
                 let angle = freq_scale * (theta / divisor);
-                self.cos_sin.push((angle.cos(), angle.sin()));
+                self.cos_sin.push((angle.cos() * m, angle.sin() * m));
                 theta *= theta_scale;
             }
         }
@@ -65,8 +67,8 @@ impl RopeTable {
         &self.cos_sin
     }
 
-    /// Rotates every head of `x` (one token's `n_heads * head_dim` row) for the
-    /// `t`-th position of the batch.
+    /// Rotates the first `n_rot` values of every head of `x` (one token's
+    /// `n_heads * head_dim` row) for the `t`-th position of the batch.
     pub fn apply(&self, x: &mut [f32], head_dim: usize, t: usize, style: RopeStyle) {
         let cos_sin = &self.cos_sin[t * self.half..(t + 1) * self.half];
         for head in x.chunks_exact_mut(head_dim) {

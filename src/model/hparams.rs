@@ -1,4 +1,8 @@
 //! Hyper-parameters, read from GGUF metadata once and then plain numbers.
+//! Where a file leaves a value out, the family's row of the architecture
+//! table ([`super::arch::FAMILIES`]) and llama.cpp's defaults fill it in.
+
+use std::borrow::Cow;
 
 use crate::gguf::{GgufFile, Result};
 
@@ -16,7 +20,8 @@ pub enum RopeStyle {
 #[derive(Debug, Clone)]
 pub struct Rope {
     pub style: RopeStyle,
-    /// Dimensions rotated per head (the rest pass through).
+    /// Dimensions rotated per head, the first of each head; the rest pass
+    /// through (partial rotary: Phi-4-mini rotates 3/4 of every head).
     pub n_rot: usize,
     /// Base of global-attention layers.
     pub base: f32,
@@ -24,8 +29,32 @@ pub struct Rope {
     pub base_sliding: f32,
     /// Position multiplier of global layers (linear scaling: 1/factor).
     pub freq_scale: f32,
-    /// Per-frequency divisors (Llama 3 scaling), `n_rot / 2` of them.
+    /// Per-frequency divisors (Llama 3 scaling, or LongRoPE's short
+    /// factors), `n_rot / 2` of them.
     pub freq_factors: Option<Vec<f32>>,
+    /// LongRoPE (Phi-3 128K): the divisors that replace the short ones when
+    /// the context is longer than `original_context`.
+    pub long_factors: Option<Vec<f32>>,
+    /// The context the model was first trained at
+    /// (`rope.scaling.original_context_length`, else the trained context).
+    pub original_context: usize,
+    /// What every cos and sin is multiplied by: LongRoPE's attention factor
+    /// (`rope.scaling.attn_factor`), 1 otherwise.
+    pub attn_factor: f32,
+}
+
+impl Rope {
+    /// The rotation a cache of `n_ctx` positions uses: LongRoPE's long
+    /// factors beyond the original context (llama.cpp chooses by the
+    /// context size too), else these.
+    pub fn at_context(&self, n_ctx: usize) -> Cow<'_, Rope> {
+        match &self.long_factors {
+            Some(long) if n_ctx > self.original_context => {
+                Cow::Owned(Rope { freq_factors: Some(long.clone()), long_factors: None, ..self.clone() })
+            }
+            _ => Cow::Borrowed(self),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,19 +84,22 @@ pub struct HParams {
     pub sliding_window: Option<usize>,
     pub sliding_layers: Vec<bool>,
     pub attn_scale: f32,
+    /// Attention scores become `cap · tanh(s / cap)` before the softmax.
+    pub attn_softcap: Option<f32>,
     /// Gemma multiplies token embeddings by sqrt(n_embd).
     pub embed_scale: Option<f32>,
     pub final_logit_softcap: Option<f32>,
     pub ffn_activation: FfnActivation,
 }
 
-/// Gemma 3's files do not say which layers slide nor their RoPE base;
-/// llama.cpp assumes every 6th layer global and base 10 000, and so do we.
-const GEMMA3_GLOBAL_EVERY: usize = 6;
-const GEMMA3_SLIDING_ROPE_BASE: f32 = 10_000.0;
+/// Gemma 2 27B (46 layers) scales queries by `1/sqrt(n_embd / n_head)`
+/// rather than by the head size (its `query_pre_attn_scalar`), and files
+/// do not say so: llama.cpp knows the model by its layer count, as we do.
+const GEMMA2_27B_LAYERS: usize = 46;
 
 impl HParams {
     pub fn from_gguf(file: &GgufFile, arch: Arch, n_vocab: usize) -> Result<Self> {
+        let family = arch.family();
         let a = arch.gguf_name();
         let k = |suffix: &str| format!("{a}.{suffix}");
         let req_usize = |suffix: &str| file.required(&k(suffix), GgufFile::usize);
@@ -83,20 +115,39 @@ impl HParams {
         let base = file.f32(&k(key::ROPE_FREQ_BASE))?.unwrap_or(10_000.0);
 
         let (freq_scale, freq_factors) = rope_scaling(file, &k, n_rot, base)?;
-        let sliding_window = file.usize(&k(key::SLIDING_WINDOW))?.filter(|&w| w > 0);
-        let sliding_layers = (0..n_layer)
-            .map(|il| arch == Arch::Gemma3 && sliding_window.is_some() && (il + 1) % GEMMA3_GLOBAL_EVERY != 0)
-            .collect();
-        let base_sliding = file.f32(&k(key::ROPE_FREQ_BASE_SWA))?.unwrap_or(match arch {
-            Arch::Gemma3 => GEMMA3_SLIDING_ROPE_BASE,
-            _ => base,
-        });
+        let (sliding_window, sliding_layers) = match family.sliding_period {
+            Some(period) => {
+                let window = file.usize(&k(key::SLIDING_WINDOW))?.filter(|&w| w > 0);
+                (window, (0..n_layer).map(|il| window.is_some() && !(il + 1).is_multiple_of(period)).collect())
+            }
+            None => (None, vec![false; n_layer]),
+        };
+        let base_sliding = file.f32(&k(key::ROPE_FREQ_BASE_SWA))?.or(family.sliding_rope_base).unwrap_or(base);
+        // A cap that is not positive caps nothing.
+        let cap = |suffix: &str, default: f32| -> Result<Option<f32>> {
+            Ok(Some(file.f32(&k(suffix))?.unwrap_or(default)).filter(|&c| c > 0.0))
+        };
+        let (attn_softcap, final_logit_softcap) = match family.softcaps {
+            Some(caps) => {
+                (cap(key::ATTN_LOGIT_SOFTCAPPING, caps.attention)?, cap(key::FINAL_LOGIT_SOFTCAPPING, caps.output)?)
+            }
+            None => (None, None),
+        };
+        let query_scale_dim = match arch {
+            Arch::Gemma2 if n_layer == GEMMA2_27B_LAYERS => default_head_dim,
+            _ => head_dim_k,
+        };
+        let n_ctx_train = req_usize(key::CONTEXT_LENGTH)?;
+        let original_context = match family.long_rope {
+            true => file.usize(&k(key::ROPE_SCALING_ORIG_CTX))?.unwrap_or(n_ctx_train),
+            false => n_ctx_train,
+        };
 
         Ok(Self {
             arch,
             name: file.str(key::NAME)?.unwrap_or("").to_string(),
             n_vocab: file.usize(&k(key::VOCAB_SIZE))?.unwrap_or(n_vocab),
-            n_ctx_train: req_usize(key::CONTEXT_LENGTH)?,
+            n_ctx_train,
             n_embd,
             n_layer,
             n_head,
@@ -106,25 +157,23 @@ impl HParams {
             n_ff: req_usize(key::FEED_FORWARD_LENGTH)?,
             rms_eps: file.required(&k(key::RMS_EPS), GgufFile::f32)?,
             rope: Rope {
-                style: match arch {
-                    Arch::Llama => RopeStyle::Interleaved,
-                    Arch::Qwen2 | Arch::Gemma3 => RopeStyle::Neox,
-                },
+                style: family.rope_style,
                 n_rot,
                 base,
                 base_sliding,
                 freq_scale,
                 freq_factors,
+                long_factors: None,
+                original_context,
+                attn_factor: file.f32(&k(key::ROPE_SCALING_ATTN_FACTOR))?.unwrap_or(1.0),
             },
             sliding_window,
             sliding_layers,
-            attn_scale: 1.0 / (head_dim_k as f32).sqrt(),
-            embed_scale: (arch == Arch::Gemma3).then(|| (n_embd as f32).sqrt()),
-            final_logit_softcap: file.f32(&k(key::FINAL_LOGIT_SOFTCAPPING))?.filter(|&c| c > 0.0),
-            ffn_activation: match arch {
-                Arch::Gemma3 => FfnActivation::GeluTanh,
-                Arch::Llama | Arch::Qwen2 => FfnActivation::Silu,
-            },
+            attn_scale: 1.0 / (query_scale_dim as f32).sqrt(),
+            attn_softcap,
+            embed_scale: family.embed_scale.then(|| (n_embd as f32).sqrt()),
+            final_logit_softcap,
+            ffn_activation: family.ffn_activation,
         })
     }
 

@@ -1,11 +1,15 @@
 //! The transformer, top-down.
 //!
 //! [`Model::forward`] runs a batch of tokens through every layer:
-//! embed → per layer (norm → Q/K/V → [QK-norm] → RoPE → store K/V in the
-//! cache → attention → output projection → [post-norm] → residual → norm →
-//! gated MLP → [post-norm] → residual) → final norm. [`Model::logits`] applies
-//! the output head to the rows the caller wants. Llama-family and Gemma 3
-//! differ only in the bracketed steps and a few constants ([`HParams`]).
+//! embed [× sqrt(n_embd)] → per layer (norm → Q/K/V [+ biases] → [per-head
+//! QK-norm] → RoPE on the first `n_rot` values of each head → store K/V in
+//! the cache → attention [soft-capped scores; a sliding window] → output
+//! projection → [post-norm] → residual → norm → gated MLP (SiLU or GELU) →
+//! [post-norm] → residual) → final norm. [`Model::logits`] applies the output
+//! head to the rows the caller wants [and soft-caps the logits]. Every
+//! family (Llama, Qwen2/3, Gemma 2/3, Phi-3) is this one pass: they differ
+//! in the bracketed steps, the tensors' layout and a few constants, which
+//! the architecture table ([`arch::FAMILIES`]) and [`HParams`] hold.
 
 pub mod arch;
 pub mod blocks;
@@ -14,7 +18,7 @@ pub mod weights;
 
 use simd::WeightType;
 
-use crate::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall};
+use crate::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Scorer};
 use crate::gguf::{GgufError, GgufFile};
 use crate::kv::{CacheShape, KvCache};
 use crate::matmul::MatmulScratch;
@@ -94,6 +98,11 @@ impl<'a> Model<'a> {
         let n_vocab = file.tensor(arch::tensor::TOKEN_EMBD)?.info.dims.get(1).copied().unwrap_or(0);
         let mut hp = HParams::from_gguf(file, arch, n_vocab)?;
         check_hparams(file, &hp)?;
+        if arch.family().long_rope {
+            let [short, long] = weights::long_rope_factors(file, hp.rope.n_rot)?;
+            hp.rope.freq_factors = short.or(hp.rope.freq_factors);
+            hp.rope.long_factors = long;
+        }
         if let Some(factors) = weights::rope_freq_factors(file, hp.rope.n_rot)? {
             hp.rope.freq_factors = Some(factors);
         }
@@ -129,6 +138,11 @@ impl<'a> Model<'a> {
 
     pub fn output_type(&self) -> WeightType {
         self.w.output.ty
+    }
+
+    /// Whether the output head is the token embedding (a tied file).
+    pub fn output_is_token_embd(&self) -> bool {
+        self.w.output_is_token_embd
     }
 
     /// Runs `tokens` at positions `pos0..`, storing their keys and values in
@@ -167,8 +181,9 @@ impl<'a> Model<'a> {
         grow(&mut s.proj, n * hp.n_embd);
         grow(&mut s.gate, n * hp.n_ff);
         grow(&mut s.up, n * hp.n_ff);
-        s.rope_global.fill(&hp.rope, hp.rope.base, hp.rope.freq_scale, pos0..pos0 + n);
-        s.rope_sliding.fill(&hp.rope, hp.rope.base_sliding, 1.0, pos0..pos0 + n);
+        let rope = hp.rope.at_context(cache.n_ctx());
+        s.rope_global.fill(&rope, rope.base, rope.freq_scale, pos0..pos0 + n);
+        s.rope_sliding.fill(&rope, rope.base_sliding, 1.0, pos0..pos0 + n);
 
         for (row, &token) in s.x.chunks_exact_mut(hp.n_embd).zip(tokens) {
             self.w.token_embd.dequantize_row(token as usize, row);
@@ -224,7 +239,7 @@ impl<'a> Model<'a> {
                 head_dim_k: hp.head_dim_k,
                 head_dim_v: hp.head_dim_v,
                 n_gqa: hp.n_gqa(),
-                scale: hp.attn_scale,
+                scorer: Scorer { scale: hp.attn_scale, softcap: hp.attn_softcap },
             };
             let call = LayerCall { layer: il, step: attention.step, batch: &batch, cache: cache.layer(il) };
             attention.policy.attend(&call, &mut s.attn, attention.records);

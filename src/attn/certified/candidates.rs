@@ -4,10 +4,10 @@
 //! For one KV head at one decoding step, [`GroupScan`] scans the 4-bit
 //! sketch of every pool page once for all the query heads of the group
 //! (`KeySketch::scan_heads`), and keeps per head and pool key the bounds
-//! `l_i ≤ s_i ≤ u_i` on the scaled score `s_i = scale·q·k_i` (the sketch
-//! bounds `q·k` for the f32 dot of the query given, in any order; scaling
-//! by `scale > 0` rounds monotonically in f32, and a step outward makes the
-//! bounds hold for the score in f64 as well).
+//! `l_i ≤ s_i ≤ u_i` on the score `s_i = scale·q·k_i`, soft-capped where
+//! the model caps (the sketch bounds `q·k` for the f32 dot of the query
+//! given, in any order; [`Scorer::bounds`] carries them to the score, in
+//! f32 and in f64).
 //! Keys no sketch bounds (the newest pages, not yet sketched, and the sinks
 //! of a coded page 0) get infinite bounds, so [`super::head`] scores them
 //! exactly when it looks for the maximum. The scan also takes `V_max`, the
@@ -47,7 +47,7 @@ use half::slice::HalfFloatSliceExt;
 use super::head::HeadKeys;
 use super::perturb::Perturbations;
 use crate::attn::read::{self, HeadRows, Stretch};
-use crate::attn::{LayerCall, Split};
+use crate::attn::{LayerCall, Scorer, Split};
 use crate::kv::quant::{packed_len, Affine, Bits};
 use crate::kv::{Bounds, KeyCover, KvMode, PagedLayer, ScanQuery, PAGE};
 
@@ -94,7 +94,7 @@ impl GroupScan {
         if split.pool.is_empty() {
             return;
         }
-        let scale = batch.scale;
+        let scorer = batch.scorer;
         for page in split.pool.start / PAGE..split.pool.end.div_ceil(PAGE) {
             self.value_norm_max = self.value_norm_max.max(f64::from(cache.value_norm(kv_head, page)));
         }
@@ -110,7 +110,7 @@ impl GroupScan {
                 let page_bounds = &self.page_bounds[h * PAGE..][rows.clone()];
                 let bounds = &mut self.bounds[h * self.pool + first..][..rows.len()];
                 for (b, pb) in bounds.iter_mut().zip(page_bounds) {
-                    *b = (f64::from((scale * pb.lower).next_down()), f64::from((scale * pb.upper).next_up()));
+                    *b = scorer.bounds(pb.lower, pb.upper);
                 }
             }
         }
@@ -184,7 +184,7 @@ pub struct CacheHead<'a> {
     queries: &'a [f32],
     g: usize,
     shared: &'a mut SharedScores,
-    scale: f32,
+    scorer: Scorer,
     bounds: &'a [(f64, f64)],
     exponentials: &'a [f64],
     value_norm_max: f64,
@@ -210,7 +210,7 @@ impl<'a> CacheHead<'a> {
             queries: &scan.queries,
             g,
             shared,
-            scale: call.batch.scale,
+            scorer: call.batch.scorer,
             bounds: scan.bounds(g),
             exponentials: scan.exponentials(),
             value_norm_max: scan.value_norm_max,
@@ -255,7 +255,7 @@ impl<'a> CacheHead<'a> {
             read::score(simd::kernels(), self.rows.dim_k, self.queries, rows, &mut self.shared.dots, run.len());
             for (j, key) in run.enumerate() {
                 for h in 0..n {
-                    self.shared.scores[key * n + h] = self.scale * self.shared.dots[h * (positions.len()) + j];
+                    self.shared.scores[key * n + h] = self.scorer.score(self.shared.dots[h * (positions.len()) + j]);
                 }
             }
             self.bytes.keys += self.rows.key_bytes(&[positions]);

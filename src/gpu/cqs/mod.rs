@@ -96,6 +96,9 @@ pub struct CqsReport {
     pub n_cap: usize,
     /// The largest working memory resident at once, in bytes.
     pub peak_bytes: u64,
+    /// The most bytes the device's allocator held while pieces were resident
+    /// (everything: weights and pools too), where wgpu reports it.
+    pub device_peak_bytes: Option<u64>,
     /// Tiles of the pieces by verdict: clear, fully masked, mixed.
     pub tiles: [u64; 3],
     pub gather_ms: f64,
@@ -114,6 +117,7 @@ impl CqsReport {
         self.evictions += other.evictions;
         self.n_cap = self.n_cap.max(other.n_cap);
         self.peak_bytes = self.peak_bytes.max(other.peak_bytes);
+        self.device_peak_bytes = self.device_peak_bytes.max(other.device_peak_bytes);
         for (a, b) in self.tiles.iter_mut().zip(other.tiles) {
             *a += b;
         }
@@ -258,6 +262,8 @@ impl Cqs {
             }
             report.n_cap = report.n_cap.max(round.len());
             report.peak_bytes = report.peak_bytes.max(resident);
+            let allocated = ctx.device.generate_allocator_report().map(|r| r.total_allocated_bytes);
+            report.device_peak_bytes = report.device_peak_bytes.max(allocated);
             self.run_round(ctx, round, &mut accumulator, &mut report)?;
         }
         let started = Instant::now();
@@ -385,8 +391,8 @@ impl Cqs {
         for piece in round {
             let (queries, n_head) = (piece.shape.queries as usize, piece.shape.n_head as usize);
             let started = Instant::now();
-            let acc: Vec<f32> = ctx.read(&piece.buffers[3], 0, queries * n_head * self.head_dim)?;
-            let stats: Vec<[f32; 2]> = ctx.read(&piece.buffers[6], 0, queries * n_head)?;
+            let acc: Vec<f32> = ctx.read_once(&piece.buffers[3], 0, queries * n_head * self.head_dim)?;
+            let stats: Vec<[f32; 2]> = ctx.read_once(&piece.buffers[6], 0, queries * n_head)?;
             report.transfer_ms += ms(started);
             let started = Instant::now();
             accumulator.merge(&piece.rows, &acc, &stats);
