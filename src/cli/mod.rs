@@ -179,7 +179,7 @@ pub struct GpuArgs {
     pub prefill_budget: f64,
     /// Routed: a KV head whose lower mass bound m̲ = m̂ − δ is under this for every sparse
     /// pattern stays dense
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.95)]
     pub prefill_tau: f64,
     /// δ, the calibrated quantile of the probe's mass overestimate, from this file [default:
     /// the one `sift gpu-profile --calibrate` wrote for the model; 0.05 without one]

@@ -56,7 +56,7 @@ impl Default for RouteSettings {
         Self {
             pattern: None,
             budget: 0.25,
-            tau: 0.8,
+            tau: 0.95,
             alpha: 0.5,
             delta,
             delta_source: crate::gpu::report::Calibration { delta, quantile: 0.95, file: None },

@@ -115,6 +115,10 @@ impl LatencyProfile {
         let kernel_error =
             |e: crate::gpu::KernelError| GpuError::Kernel { kernel: "gpu-profile".into(), reason: e.to_string() };
         let attention = Attention::sparse(&ctx.device, path, head_dim, n_head / n_kv_head).map_err(kernel_error)?;
+        let dense = Attention::new(&ctx.device, path, head_dim, n_head / n_kv_head).map_err(kernel_error)?;
+        // Chunks of queries whose f32 output fits one binding, in whole blocks.
+        let binding = ctx.limits.max_storage_buffer_binding_size.min(ctx.limits.max_buffer_size);
+        let widest = ((binding / (n_head as u64 * head_dim as u64 * 4)) as u32 / BLOCK * BLOCK).max(BLOCK);
         let probe = ProbeKernels::new(ctx, head_dim)?;
         let mut profile = Self {
             adapter: ctx.info.name.clone(),
@@ -129,10 +133,14 @@ impl LatencyProfile {
         let d = head_dim as usize;
         for &n in buckets {
             eprintln!("gpu-profile: {n} tokens");
-            let shape =
-                AttentionShape { n, pos0: 0, n_head, n_kv_head, window: None, scale: 1.0 / (head_dim as f32).sqrt() };
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            let shapes: Vec<AttentionShape> = (0..n)
+                .step_by(widest as usize)
+                .map(|pos0| AttentionShape { n: widest.min(n - pos0), pos0, n_head, n_kv_head, window: None, scale })
+                .collect();
+            let shape = shapes[0];
             let rows = attention.query_rows(&shape) as usize;
-            let keys = attention.key_rows(&shape) as usize;
+            let keys = n.next_multiple_of(BLOCK) as usize;
             let noise = |len: usize, seed: u64| -> Vec<f16> {
                 let mut s = seed;
                 (0..len)
@@ -154,17 +162,24 @@ impl LatencyProfile {
                 let index = SparseIndex::new(&masks, n);
                 let gpu_index = index.upload(ctx)?;
                 let buffers = gpu_index.buffers();
-                let bind = attention.bind_sparse(&ctx.device, [&q, &k, &v, &o], &buffers);
+                // Dense is timed on the dense kernel, which is what a dense layer runs.
+                let bind = match c.pattern {
+                    Pattern::Dense => dense.bind(&ctx.device, &q, &k, &v, &o),
+                    _ => attention.bind_sparse(&ctx.device, [&q, &k, &v, &o], &buffers),
+                };
                 let sizes = [q.size(), k.size(), v.size(), o.size()];
                 let mut samples = Vec::new();
                 for run in 0..=runs {
                     let mut batch = ctx.batch();
                     batch.mark();
-                    batch
-                        .record("sparse attention", |pass| {
-                            attention.dispatch_sparse(pass, &bind, &shape, sizes, &buffers)
-                        })
-                        .map_err(kernel_error)?;
+                    for shape in &shapes {
+                        batch
+                            .record("attention", |pass| match c.pattern {
+                                Pattern::Dense => dense.dispatch(pass, &bind, shape, sizes),
+                                _ => attention.dispatch_sparse(pass, &bind, shape, sizes, &buffers),
+                            })
+                            .map_err(kernel_error)?;
+                    }
                     batch.mark();
                     let started = std::time::Instant::now();
                     let marks = batch.submit_timed()?;
@@ -178,7 +193,7 @@ impl LatencyProfile {
                 let us = median(&mut samples) * 1e3 / n_kv_head as f64;
                 profile.entries.push(Entry { pattern: c.pattern, budget: c.budget, tokens: n, us });
             }
-            let probe_rows = ProbeRows::new(0, n, 32, 16);
+            let probe_rows = ProbeRows::new(0, shape.n, 32, 16);
             let mut samples = Vec::new();
             for run in 0..=runs {
                 let p = probe.run(ctx, &shape, &probe_rows, &q, &k)?;
