@@ -7,7 +7,10 @@
 // (every position up to the chunk's last, kv_len = pos0 + n), O is f32
 // [n][n_head][D]. Query head h reads KV head h / (n_head / n_kv_head)
 // (grouped-query attention). Query t sees key j when j <= t and, on a
-// sliding-window layer, t - j < window.
+// sliding-window layer, t - j < window. Which keys a workgroup visits comes
+// from the key-span file the Rust prepends: every key up to its last query
+// (attention_keys_dense.wgsl), or the key lists of a sparse pattern
+// (attention_keys_sparse.wgsl, RouteSparse).
 //
 // `partial` is one piece of a decomposed call (src/gpu/cqs): n queries and
 // n_keys keys gathered from anywhere in the sequence, Q, K and V in the same
@@ -28,7 +31,8 @@
 // and bits; the running maximum and sum of the softmax are kept per query in
 // f32, and the accumulator is rescaled once per 16 keys.
 //
-// The Rust prepends `const D: u32 = …;` (the head dimension, a multiple of 32).
+// The Rust prepends `const D: u32 = …;` (the head dimension, a multiple of 32)
+// and one of the key-span files (which `partial` does not use).
 
 enable f16;
 
@@ -40,8 +44,8 @@ const SHARE: u32 = D / (4u * LANES);
 const ROW: u32 = D / 4u;
 // A stand-in for minus infinity that stays finite through exp(m - m').
 const NEG_BIG: f32 = -3.0e38;
-// The position of a staged key past the end: seen by no query.
-const NO_KEY: u32 = 0xffffffffu;
+// (NO_KEY, the position of a staged key past the end, seen by no query, comes
+// with the key-span file.)
 
 struct Shape {
     n: u32,
@@ -79,6 +83,8 @@ var<immediate> shape: Shape;
 
 var<workgroup> k_tile: array<vec4<f16>, KEYS * D / 4u>;
 var<workgroup> v_tile: array<vec4<f16>, KEYS * D / 4u>;
+// The staged keys' rows in K and V (NO_KEY: none, staged as zeros).
+var<workgroup> key_row: array<u32, KEYS>;
 var<workgroup> key_position: array<u32, KEYS>;
 var<workgroup> key_groups: array<u32, KEYS>;
 
@@ -103,15 +109,15 @@ fn load_query(query: u32, head: u32, lane: u32, live: bool) {
     l = 0.0;
 }
 
-// Stages keys and values j0 .. j0 + 16 (rows of K and V; those from `rows`
-// on are zeros): each invocation moves D / 8 of each.
-fn stage(j0: u32, rows: u32, kv_head: u32, lid: u32) {
+// Stages the keys and values of the rows in key_row: each invocation moves
+// D / 8 of each.
+fn stage(kv_head: u32, lid: u32) {
     for (var i = 0u; i < SHARE; i++) {
         let e = lid * SHARE + i;
-        let key = j0 + e / ROW;
+        let key = key_row[e / ROW];
         var kv = vec4<f16>(0.0);
         var vv = vec4<f16>(0.0);
-        if key < rows {
+        if key != NO_KEY {
             let at = (key * shape.n_kv_head + kv_head) * ROW + e % ROW;
             kv = k[at];
             vv = v[at];
@@ -179,19 +185,19 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index
     // The keys any query of this workgroup sees.
     let t_first = shape.pos0 + first_query;
     let t_last = shape.pos0 + min(shape.n, first_query + QUERIES) - 1u;
-    var key_begin = 0u;
-    if shape.window != 0u && t_first + 1u > shape.window {
-        key_begin = ((t_first + 1u - shape.window) / KEYS) * KEYS;
-    }
-    let key_end = t_last + 1u;
+    let span = key_span(kv_head, t_first, t_last);
 
     load_query(query, head, lane, live);
-    for (var j0 = key_begin; j0 < key_end; j0 += KEYS) {
-        stage(j0, kv_len, kv_head, lid);
+    for (var e0 = 0u; e0 < span.len; e0 += KEYS) {
         if lid < KEYS {
-            key_position[lid] = select(NO_KEY, j0 + lid, j0 + lid < kv_len);
+            let j = key_at(span, e0 + lid);
+            let key = select(NO_KEY, j, j < kv_len);
+            key_row[lid] = key;
+            key_position[lid] = key;
             key_groups[lid] = 0u;
         }
+        workgroupBarrier();
+        stage(kv_head, lid);
         workgroupBarrier();
         attend(t, 0u, lane, false);
         workgroupBarrier();
@@ -244,15 +250,19 @@ fn partial(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_in
             continue;
         }
         let j0 = b * KEYS;
-        stage(j0, shape.n_keys, kv_head, lid);
         if lid < KEYS {
             var key = Token(NO_KEY, 0u);
+            var row = NO_KEY;
             if j0 + lid < shape.n_keys {
                 key = tokens[shape.n + j0 + lid];
+                row = j0 + lid;
             }
+            key_row[lid] = row;
             key_position[lid] = key.position;
             key_groups[lid] = key.groups;
         }
+        workgroupBarrier();
+        stage(kv_head, lid);
         workgroupBarrier();
         // A last, partial block is never clear: its tail is no key.
         attend(me.position, me.groups, lane, verdict == CLEAR && j0 + KEYS <= shape.n_keys);

@@ -3,7 +3,8 @@
 // Buffers and masking as in attention.wgsl: Q f16 [n][n_head][D] for the
 // queries at positions pos0 .. pos0 + n, K and V f16 [kv_len][n_kv_head][D],
 // O f32 [n][n_head][D]; query t sees key j when j <= t and, on a sliding
-// window layer, t - j < window. Unlike the fallback, this kernel reads and
+// window layer, t - j < window; the keys visited come from the key-span file
+// the Rust prepends, as in attention.wgsl. Unlike the fallback, this kernel reads and
 // writes whole 16-row tiles: Q and O must have room for n rounded up to 64
 // tokens, K and V for kv_len rounded up to 64 positions, and the padding must
 // hold finite numbers (zero-initialised buffers do).
@@ -26,7 +27,8 @@
 // The price is computing Q·Kᵀ twice: 3/2 of the products of one pass.
 //
 // The Rust prepends `const D: u32 = …;` (64, 128 or 256) and
-// `const HEADS: u32 = …;` (1, 2 or 4, dividing n_head / n_kv_head).
+// `const HEADS: u32 = …;` (1, 2 or 4, dividing n_head / n_kv_head), and one of
+// the key-span files.
 
 enable f16;
 enable wgpu_cooperative_matrix;
@@ -61,6 +63,8 @@ var<workgroup> s_tile: array<f32, ROWS * S_STRIDE>;
 var<workgroup> p_tile: array<f16, ROWS * P_STRIDE>;
 var<workgroup> k_tile: array<f16, KEYS * KV_STRIDE>;
 var<workgroup> v_tile: array<f16, KEYS * KV_STRIDE>;
+// The positions of the staged keys.
+var<workgroup> key_tile: array<u32, KEYS>;
 
 struct Block {
     // First token of the workgroup, within the chunk.
@@ -83,14 +87,20 @@ fn visible(t: u32, j: u32) -> bool {
     return j < shape.pos0 + shape.n && j <= t && (shape.window == 0u || t - j < shape.window);
 }
 
-// Keys (and, with `values`, values) j0 .. j0 + 32 into workgroup memory.
-fn stage(blk: Block, j0: u32, lid: u32, values: bool) {
+// The keys (and, with `values`, values) of span entries e0 .. e0 + 32 into
+// workgroup memory, with their positions.
+fn stage(blk: Block, span: Span, e0: u32, lid: u32, values: bool) {
     let quads = D / 4u;
+    if lid < KEYS {
+        key_tile[lid] = key_at(span, e0 + lid);
+    }
     for (var i = 0u; i < D / 32u; i++) {
         let e = lid + i * 256u;
         let key = e / quads;
         let quad = e % quads;
-        let at = ((j0 + key) * shape.n_kv_head + blk.kv_head) * quads + quad;
+        // An entry past the span reads position 0, and the mask drops it.
+        let j = key_at(span, e0 + key);
+        let at = (select(j, 0u, j == NO_KEY) * shape.n_kv_head + blk.kv_head) * quads + quad;
         let to = key * KV_STRIDE + quad * 4u;
         let kx = k[at];
         k_tile[to] = kx.x;
@@ -136,7 +146,7 @@ fn load_queries(blk: Block, sg: u32) {
     }
 }
 
-// S for the keys j0 .. j0 + 32 (staged in k_tile) into s_tile. The products
+// S for the 32 keys staged in k_tile into s_tile. The products
 // are written out so that q_tiles is only indexed by constants.
 fn scores(sg: u32) {
     let b = sg / 2u;
@@ -184,11 +194,7 @@ fn main(
 
     let t_first = shape.pos0 + blk.token0;
     let t_last = shape.pos0 + min(shape.n, blk.token0 + TOKENS) - 1u;
-    var key_begin = 0u;
-    if shape.window != 0u && t_first + 1u > shape.window {
-        key_begin = ((t_first + 1u - shape.window) / KEYS) * KEYS;
-    }
-    let key_end = t_last + 1u;
+    let span = key_span(blk.kv_head, t_first, t_last);
 
     // This invocation's share of the softmax: 16 keys of one row.
     let row = lid / 4u;
@@ -200,22 +206,22 @@ fn main(
     // Pass 1: each row's maximum and sum of exponentials.
     var m = NEG_BIG;
     var l = 0.0;
-    for (var j0 = key_begin; j0 < key_end; j0 += KEYS) {
-        stage(blk, j0, lid, false);
+    for (var e0 = 0u; e0 < span.len; e0 += KEYS) {
+        stage(blk, span, e0, lid, false);
         workgroupBarrier();
         scores(sg);
         workgroupBarrier();
         var m_new = m;
         for (var i = 0u; i < KEYS / 4u; i++) {
             let kl = quarter * (KEYS / 4u) + i;
-            if visible(t, j0 + kl) {
+            if visible(t, key_tile[kl]) {
                 m_new = max(m_new, s_tile[row * S_STRIDE + kl] * shape.scale);
             }
         }
         l *= exp(m - m_new);
         for (var i = 0u; i < KEYS / 4u; i++) {
             let kl = quarter * (KEYS / 4u) + i;
-            if visible(t, j0 + kl) {
+            if visible(t, key_tile[kl]) {
                 l += exp(s_tile[row * S_STRIDE + kl] * shape.scale - m_new);
             }
         }
@@ -250,15 +256,15 @@ fn main(
     var o5 = coop_mat16x16<f32, C>();
     var o6 = coop_mat16x16<f32, C>();
     var o7 = coop_mat16x16<f32, C>();
-    for (var j0 = key_begin; j0 < key_end; j0 += KEYS) {
-        stage(blk, j0, lid, true);
+    for (var e0 = 0u; e0 < span.len; e0 += KEYS) {
+        stage(blk, span, e0, lid, true);
         workgroupBarrier();
         scores(sg);
         workgroupBarrier();
         for (var i = 0u; i < KEYS / 4u; i++) {
             let kl = quarter * (KEYS / 4u) + i;
             var p = 0.0;
-            if visible(t, j0 + kl) {
+            if visible(t, key_tile[kl]) {
                 p = exp(s_tile[row * S_STRIDE + kl] * shape.scale - m_row) * inv_l;
             }
             p_tile[row * P_STRIDE + kl] = f16(p);

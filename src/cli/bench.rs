@@ -125,7 +125,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     // The GPU is opened and the weights uploaded once, before any timing.
     let gpu_prefill = match args.gpu.mode() {
         GpuMode::Off => None,
-        mode => match on_demand::upload(&model, mode, args.gpu.gpu_mem_budget) {
+        mode => match on_demand::upload(&model, mode, &args.gpu.prefill_options(&model.hp)?) {
             Ok(prefill) => Some(prefill),
             Err(e) if mode == GpuMode::On => return Err(e.into()),
             Err(e) => {

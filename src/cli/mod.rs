@@ -5,6 +5,7 @@ mod attn;
 mod bench;
 mod chat;
 mod gpu_bench;
+mod gpu_profile;
 mod inspect;
 mod perplexity;
 mod run;
@@ -21,7 +22,9 @@ use sift::chat::{ChatError, ChatTemplate, Origin};
 use sift::conversation::ConversationError;
 use sift::engine::{EngineError, Session};
 use sift::gguf::{GgufError, GgufFile, Residence};
-use sift::gpu::on_demand::{GpuMode, OnDemand};
+use sift::gpu::on_demand::{GpuMode, OnDemand, PrefillOptions};
+use sift::gpu::route::calibration::CalibrationFile;
+use sift::gpu::route::{Pattern, RouteSettings};
 use sift::gpu::{GpuError, KernelError};
 use sift::kv::{KvMode, Storage};
 use sift::model::{Model, ModelError};
@@ -72,6 +75,9 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Measure the GPU kernels (matmul, attention) in TFLOP/s on each kernel path.
     GpuBench(gpu_bench::GpuBenchArgs),
+    /// Measure the sparse prefill kernels' latency profile for --prefill-attn routed, and
+    /// calibrate its mass bound.
+    GpuProfile(gpu_profile::GpuProfileArgs),
     /// Print a shell completion script, e.g. `source <(sift completions bash)`.
     Completions {
         #[arg(value_enum)]
@@ -162,6 +168,33 @@ pub struct GpuArgs {
     /// prefill's chunks already fit the device's buffer limits)
     #[arg(long, env = "SIFT_GPU_MEM_BUDGET", value_name = "BYTES", value_parser = parse_bytes)]
     pub gpu_mem_budget: Option<u64>,
+    /// Attention of GPU prefill on layers without a window: dense (exact); routed picks per
+    /// prompt and KV head among A-shape, vertical-slash, block-sparse and dense under
+    /// --prefill-budget (needs `sift gpu-profile` once per adapter); ashape, vslash and
+    /// blocksparse apply one pattern everywhere at MInference's budgets
+    #[arg(long, default_value = "dense", value_parser = ["dense", "routed", "ashape", "vslash", "blocksparse"])]
+    pub prefill_attn: String,
+    /// Routed: each layer's attention time (probe included) as a fraction of dense, from the
+    /// measured latency profile
+    #[arg(long, default_value_t = 0.25)]
+    pub prefill_budget: f64,
+    /// Routed: a KV head whose lower mass bound m̲ = m̂ − δ is under this for every sparse
+    /// pattern stays dense
+    #[arg(long, default_value_t = 0.95)]
+    pub prefill_tau: f64,
+    /// δ, the calibrated quantile of the probe's mass overestimate, from this file [default:
+    /// the one `sift gpu-profile --calibrate` wrote for the model; 0.05 without one]
+    #[arg(long, value_name = "FILE")]
+    pub prefill_calibration: Option<PathBuf>,
+    /// Write what a sparse prefill did to FILE as JSON: per layer and KV head the pattern,
+    /// budget, m̂, m̲, fallback and the certificate 2(1 − m̲)·V_max; probe, index, routing
+    /// and kernel times
+    #[arg(long, value_name = "FILE")]
+    pub prefill_report: Option<PathBuf>,
+    /// Also run dense attention beside the sparse one and add to the report each head's
+    /// true output error and mass kept, and whether the certificate covered it
+    #[arg(long, requires = "prefill_report")]
+    pub prefill_audit: bool,
 }
 
 /// A positive byte count, with an optional K, M or G (powers of 1024).
@@ -195,10 +228,64 @@ impl GpuArgs {
     /// Gives `session` the GPU prefill `--gpu` asks for (opened on first use,
     /// except with `on`, which opens it now).
     pub fn attach<'m>(&self, model: &'m Model<'m>, session: &mut Session<'m>) -> anyhow::Result<()> {
-        if let Some(backend) = OnDemand::new(model, self.mode(), self.gpu_mem_budget)? {
+        if let Some(backend) = OnDemand::new(model, self.mode(), self.prefill_options(&model.hp)?)? {
             session.set_prefill_backend(Box::new(backend));
         }
         Ok(())
+    }
+}
+
+impl GpuArgs {
+    /// What the GPU prefill is set up with beyond `--gpu`.
+    pub fn prefill_options(&self, hp: &sift::model::hparams::HParams) -> anyhow::Result<PrefillOptions> {
+        Ok(PrefillOptions { attention_budget: self.gpu_mem_budget, route: self.route_settings(hp)? })
+    }
+
+    /// The sparse prefill asked for; `None` for dense.
+    pub fn route_settings(&self, hp: &sift::model::hparams::HParams) -> anyhow::Result<Option<RouteSettings>> {
+        if self.prefill_attn == "dense" {
+            return Ok(None);
+        }
+        if !(self.prefill_budget > 0.0 && self.prefill_budget.is_finite()) {
+            return Err(Usage(format!("--prefill-budget must be positive, not {}", self.prefill_budget)).into());
+        }
+        if !(0.0..=1.0).contains(&self.prefill_tau) {
+            return Err(Usage(format!("--prefill-tau must be within 0..1, not {}", self.prefill_tau)).into());
+        }
+        let pattern = match self.prefill_attn.as_str() {
+            "routed" => None,
+            name => Some(name.parse::<Pattern>().map_err(Usage)?),
+        };
+        let mut settings = RouteSettings {
+            pattern,
+            budget: self.prefill_budget,
+            tau: self.prefill_tau,
+            audit: self.prefill_audit,
+            report: self.prefill_report.clone(),
+            ..RouteSettings::default()
+        };
+        let (file, given) = match &self.prefill_calibration {
+            Some(file) => (file.clone(), true),
+            None => (CalibrationFile::file(hp), false),
+        };
+        match CalibrationFile::load(&file) {
+            Ok(c) => {
+                settings.delta = c.delta;
+                settings.delta_source = sift::gpu::report::Calibration {
+                    delta: c.delta,
+                    quantile: c.quantile,
+                    file: Some(file.display().to_string()),
+                };
+            }
+            Err(e) if given => return Err(InputError(format!("--prefill-calibration: {e}")).into()),
+            Err(_) => {
+                eprintln!(
+                    "sift: no mass calibration for this model; delta = {} (run `sift gpu-profile --calibrate`)",
+                    settings.delta
+                )
+            }
+        }
+        Ok(Some(settings))
     }
 }
 
@@ -301,6 +388,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Inspect(args) => inspect::run(args),
         Command::Bench(args) => bench::run(args),
         Command::GpuBench(args) => gpu_bench::run(args),
+        Command::GpuProfile(args) => gpu_profile::run(args),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "sift", &mut std::io::stdout());
             Ok(())

@@ -11,6 +11,16 @@
 //! reads and writes whole 64-row blocks: its Q and O buffers need room for
 //! [`AttentionShape::padded_tokens`] tokens, K and V for
 //! [`AttentionShape::padded_positions`] positions, the padding finite.
+//!
+//! Both shaders take the keys a workgroup visits from a small WGSL file put in
+//! front of them: every key up to its last query (`attention_keys_dense.wgsl`),
+//! or, for [`Attention::sparse`], the key lists of a [`SparseIndex`]
+//! (`attention_keys_sparse.wgsl`): per KV head and 64-position query block, a
+//! list of 64-position key blocks and a list of single positions. The tile loop
+//! and the masks are the same; a sparse pattern only changes the sequence of
+//! positions, so its kernel does the work of the keys it lists and no other.
+//!
+//! [`SparseIndex`]: super::route::SparseIndex
 
 use super::pipeline::{Access, Pipeline};
 use super::{KernelError, KernelPath};
@@ -19,9 +29,18 @@ use super::{KernelError, KernelPath};
 /// decomposed call ([`super::cqs`]).
 pub(crate) const TILED: &str = include_str!("../../shaders/attention.wgsl");
 const COOPERATIVE: &str = include_str!("../../shaders/attention_coop.wgsl");
+const DENSE_KEYS: &str = include_str!("../../shaders/attention_keys_dense.wgsl");
+const SPARSE_KEYS: &str = include_str!("../../shaders/attention_keys_sparse.wgsl");
 
-/// Rows of the cooperative shader's blocks, in tokens and in positions.
-const BLOCK: u32 = 64;
+/// The header the tiled shader is compiled behind for its dense entries (and
+/// for `partial`, which reads no key span but shares the module).
+pub(crate) fn tiled_header(head_dim: u32) -> String {
+    format!("const D: u32 = {head_dim}u;\n{DENSE_KEYS}")
+}
+
+/// Rows of the cooperative shader's blocks, in tokens and in positions; also
+/// the query and key blocks of a sparse index.
+pub const BLOCK: u32 = 64;
 
 /// The sizes of one attention call.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -73,12 +92,45 @@ pub struct Attention {
     group_heads: u32,
     /// Query heads one cooperative workgroup takes.
     heads_per_block: u32,
+    sparse: bool,
+}
+
+/// The four buffers of a sparse index, as `attention_keys_sparse.wgsl` reads
+/// them, and the query blocks per KV head they describe.
+pub struct IndexBuffers<'b> {
+    pub block_offsets: &'b wgpu::Buffer,
+    pub blocks: &'b wgpu::Buffer,
+    pub column_offsets: &'b wgpu::Buffer,
+    pub columns: &'b wgpu::Buffer,
+    pub query_blocks: u32,
 }
 
 impl Attention {
     /// `group_heads` is the number of query heads per KV head; `head_dim` must
     /// be a multiple of 32 (the cooperative shader: 64, 128 or 256).
     pub fn new(device: &wgpu::Device, path: KernelPath, head_dim: u32, group_heads: u32) -> Result<Self, KernelError> {
+        Self::build(device, path, head_dim, group_heads, false)
+    }
+
+    /// The same kernel reading the keys from a sparse index, bound with
+    /// [`Self::bind_sparse`]; it runs only on chunks starting at a multiple of
+    /// [`BLOCK`] positions, without a window.
+    pub fn sparse(
+        device: &wgpu::Device,
+        path: KernelPath,
+        head_dim: u32,
+        group_heads: u32,
+    ) -> Result<Self, KernelError> {
+        Self::build(device, path, head_dim, group_heads, true)
+    }
+
+    fn build(
+        device: &wgpu::Device,
+        path: KernelPath,
+        head_dim: u32,
+        group_heads: u32,
+        sparse: bool,
+    ) -> Result<Self, KernelError> {
         let bad = |what: String| Err(KernelError::Shape { kernel: "attention", what });
         if head_dim == 0 || !head_dim.is_multiple_of(32) {
             return bad(format!("head dimension {head_dim} is not a multiple of 32"));
@@ -96,9 +148,25 @@ impl Attention {
             }
             KernelPath::Tiled => (TILED, format!("const D: u32 = {head_dim}u;")),
         };
-        let buffers = [Access::Read, Access::Read, Access::Read, Access::ReadWrite];
-        let kernel = Pipeline::new(device, "attention", &header, source, &buffers);
-        Ok(Self { kernel, path, head_dim, group_heads, heads_per_block })
+        let (keys, label, buffers): (_, _, &[Access]) = match sparse {
+            false => (DENSE_KEYS, "attention", &[Access::Read, Access::Read, Access::Read, Access::ReadWrite]),
+            true => (
+                SPARSE_KEYS,
+                "sparse attention",
+                &[
+                    Access::Read,
+                    Access::Read,
+                    Access::Read,
+                    Access::ReadWrite,
+                    Access::Read,
+                    Access::Read,
+                    Access::Read,
+                    Access::Read,
+                ],
+            ),
+        };
+        let kernel = Pipeline::new(device, label, &format!("{header}\n{keys}"), source, buffers);
+        Ok(Self { kernel, path, head_dim, group_heads, heads_per_block, sparse })
     }
 
     pub fn path(&self) -> KernelPath {
@@ -121,7 +189,7 @@ impl Attention {
         }
     }
 
-    /// Binds Q, K, V and O (see the module's layout).
+    /// Binds Q, K, V and O (see the module's layout) for a dense kernel.
     pub fn bind(
         &self,
         device: &wgpu::Device,
@@ -130,12 +198,69 @@ impl Attention {
         v: &wgpu::Buffer,
         o: &wgpu::Buffer,
     ) -> wgpu::BindGroup {
+        assert!(!self.sparse, "a sparse kernel binds its index too");
         self.kernel.bind(device, &[q, k, v, o])
+    }
+
+    /// Binds Q, K, V, O and the index for a sparse kernel.
+    pub fn bind_sparse(
+        &self,
+        device: &wgpu::Device,
+        [q, k, v, o]: [&wgpu::Buffer; 4],
+        index: &IndexBuffers,
+    ) -> wgpu::BindGroup {
+        assert!(self.sparse, "a dense kernel has no index");
+        self.kernel.bind(device, &[q, k, v, o, index.block_offsets, index.blocks, index.column_offsets, index.columns])
     }
 
     /// Records attention for `shape` into `pass`, after checking that the
     /// buffers bound in `bind` (of sizes `sizes`: Q, K, V, O in bytes) hold it.
     pub fn dispatch(
+        &self,
+        pass: &mut wgpu::ComputePass,
+        bind: &wgpu::BindGroup,
+        shape: &AttentionShape,
+        sizes: [u64; 4],
+    ) -> Result<(), KernelError> {
+        if self.sparse {
+            return Err(KernelError::Shape { kernel: "sparse attention", what: "dispatched without an index".into() });
+        }
+        self.dispatch_with(pass, bind, shape, sizes)
+    }
+
+    /// [`Self::dispatch`] for a sparse kernel bound with `index`, which must
+    /// cover every query of `shape` (the shader finds the query blocks per KV
+    /// head from the length of its offsets).
+    pub fn dispatch_sparse(
+        &self,
+        pass: &mut wgpu::ComputePass,
+        bind: &wgpu::BindGroup,
+        shape: &AttentionShape,
+        sizes: [u64; 4],
+        index: &IndexBuffers,
+    ) -> Result<(), KernelError> {
+        let query_blocks = index.query_blocks;
+        let bad = |what: String| Err(KernelError::Shape { kernel: "sparse attention", what });
+        if !self.sparse {
+            return bad("a dense kernel dispatched with an index".into());
+        }
+        if !shape.pos0.is_multiple_of(BLOCK) || shape.window.is_some() {
+            return bad(format!(
+                "a chunk at {} with window {:?}: sparse chunks start at multiples of {BLOCK}, without windows",
+                shape.pos0, shape.window
+            ));
+        }
+        if query_blocks < shape.kv_len().div_ceil(BLOCK) {
+            return bad(format!("an index of {query_blocks} query blocks for {} positions", shape.kv_len()));
+        }
+        let offsets = (shape.n_kv_head as u64 * query_blocks as u64 + 1) * 4;
+        if index.block_offsets.size() != offsets || index.column_offsets.size() != offsets {
+            return bad(format!("index offsets of {} bytes for {offsets}", index.block_offsets.size()));
+        }
+        self.dispatch_with(pass, bind, shape, sizes)
+    }
+
+    fn dispatch_with(
         &self,
         pass: &mut wgpu::ComputePass,
         bind: &wgpu::BindGroup,

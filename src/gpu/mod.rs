@@ -19,6 +19,8 @@ mod context;
 pub mod layers;
 pub mod on_demand;
 pub mod prefill;
+pub mod report;
+pub mod route;
 
 pub use context::{AdapterPolicy, Batch, GpuContext, GpuError, Kernel, Shader};
 

@@ -10,6 +10,7 @@ use std::sync::OnceLock;
 
 use super::context::{AdapterPolicy, GpuContext, GpuError};
 use super::prefill::GpuPrefill;
+use super::route::RouteSettings;
 use crate::engine::{EngineError, PrefillBackend};
 use crate::kv::KvCache;
 use crate::model::{Model, Outputs};
@@ -58,22 +59,30 @@ impl GpuMode {
     }
 }
 
+/// How the GPU prefill is set up beyond `--gpu`.
+#[derive(Clone, Debug, Default)]
+pub struct PrefillOptions {
+    /// One attention call's working memory at most, in bytes (`--gpu-mem-budget`).
+    pub attention_budget: Option<u64>,
+    /// Sparse attention on layers without a window (`--prefill-attn`).
+    pub route: Option<RouteSettings>,
+}
+
 /// The process's GPU opened for `mode`, and `model`'s weights uploaded to it
-/// (logged with their time), taking prompts of `mode`'s length, with one
-/// attention call's working memory bounded by `attention_budget` bytes.
-pub fn upload<'m>(
-    model: &'m Model<'m>,
-    mode: GpuMode,
-    attention_budget: Option<u64>,
-) -> Result<GpuPrefill<'m>, GpuError> {
+/// (logged with their time), taking prompts of `mode`'s length, set up as
+/// `options` say.
+pub fn upload<'m>(model: &'m Model<'m>, mode: GpuMode, options: &PrefillOptions) -> Result<GpuPrefill<'m>, GpuError> {
     // `off` takes no prompt.
     let min_tokens = mode.min_tokens().unwrap_or(usize::MAX);
     GpuPrefill::supports(&model.hp)?;
     let gpu = shared(mode.adapter_policy())?;
     let started = std::time::Instant::now();
     let mut prefill = GpuPrefill::new(gpu, model)?.with_min_tokens(min_tokens);
-    if let Some(bytes) = attention_budget {
+    if let Some(bytes) = options.attention_budget {
         prefill = prefill.with_attention_budget(bytes)?;
+    }
+    if let Some(settings) = &options.route {
+        prefill = prefill.with_routing(settings.clone())?;
     }
     eprintln!(
         "gpu: weights uploaded in {:.0} ms; {} kernels; prompts of {min_tokens}+ tokens on the GPU",
@@ -99,7 +108,7 @@ pub struct OnDemand<'m> {
     model: &'m Model<'m>,
     mode: GpuMode,
     min_tokens: usize,
-    attention_budget: Option<u64>,
+    options: PrefillOptions,
     state: State<'m>,
 }
 
@@ -113,11 +122,10 @@ enum State<'m> {
 impl<'m> OnDemand<'m> {
     /// `None` for `off`. With `on`, the adapter is opened and the weights
     /// uploaded now, so that a missing adapter is reported before any work
-    /// and the first prompt's time is the prefill's alone. `attention_budget`
-    /// as for [`upload`].
-    pub fn new(model: &'m Model<'m>, mode: GpuMode, attention_budget: Option<u64>) -> Result<Option<Self>, GpuError> {
+    /// and the first prompt's time is the prefill's alone.
+    pub fn new(model: &'m Model<'m>, mode: GpuMode, options: PrefillOptions) -> Result<Option<Self>, GpuError> {
         let Some(min_tokens) = mode.min_tokens() else { return Ok(None) };
-        let mut backend = Self { model, mode, min_tokens, attention_budget, state: State::Closed };
+        let mut backend = Self { model, mode, min_tokens, options, state: State::Closed };
         if mode == GpuMode::On {
             backend.ready()?;
         }
@@ -127,7 +135,7 @@ impl<'m> OnDemand<'m> {
     /// The backend, opened on first use.
     fn ready(&mut self) -> Result<&GpuPrefill<'m>, GpuError> {
         if let State::Closed = self.state {
-            self.state = State::Ready(Box::new(upload(self.model, self.mode, self.attention_budget)?));
+            self.state = State::Ready(Box::new(upload(self.model, self.mode, &self.options)?));
         }
         match &self.state {
             State::Ready(prefill) => Ok(prefill),

@@ -139,13 +139,29 @@ mod tests {
             ("matmul".to_string(), with_header("", include_str!("../../shaders/matmul.wgsl"))),
             ("matmul_coop".to_string(), with_header("", include_str!("../../shaders/matmul_coop.wgsl"))),
         ];
-        for d in [64, 128, 256] {
-            modules.push((format!("attention D={d}"), with_header(&format!("const D: u32 = {d}u;"), tiled_attention)));
-            for heads in [1, 2, 4] {
-                let header = format!("const D: u32 = {d}u;\nconst HEADS: u32 = {heads}u;");
-                modules.push((format!("attention_coop D={d} HEADS={heads}"), with_header(&header, coop_attention)));
+        let keys = [
+            ("dense", include_str!("../../shaders/attention_keys_dense.wgsl")),
+            ("sparse", include_str!("../../shaders/attention_keys_sparse.wgsl")),
+        ];
+        for (kind, keys) in keys {
+            for d in [64, 128, 256] {
+                let header = format!("const D: u32 = {d}u;\n{keys}");
+                modules.push((format!("attention {kind} D={d}"), with_header(&header, tiled_attention)));
+                for heads in [1, 2, 4] {
+                    let header = format!("const D: u32 = {d}u;\nconst HEADS: u32 = {heads}u;\n{keys}");
+                    modules.push((
+                        format!("attention_coop {kind} D={d} HEADS={heads}"),
+                        with_header(&header, coop_attention),
+                    ));
+                }
             }
         }
+        for shader in ["route_probe", "route_pool", "route_block_scores"] {
+            let source =
+                std::fs::read_to_string(format!("{}/shaders/{shader}.wgsl", env!("CARGO_MANIFEST_DIR"))).unwrap();
+            modules.push((shader.to_string(), source));
+        }
+        modules.extend(crate::gpu::route::probe::row_stats_sources());
         for (name, source) in modules {
             eprintln!("{name}");
             let module = naga::front::wgsl::parse_str(&source)

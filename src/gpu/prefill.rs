@@ -24,6 +24,11 @@
 //! The stages are those of [`Model::forward`], under the same names; with a
 //! [`Trace`], each stage's output is read back and handed to it.
 //!
+//! With [`GpuPrefill::with_routing`], the attention of layers without a
+//! window goes through [`RoutedAttention`] (RouteSparse: sparse patterns
+//! chosen per prompt), chunks are whole multiples of 64 tokens, and each
+//! prompt leaves a [`PrefillReport`].
+//!
 //! With an attention budget ([`GpuPrefill::with_attention_budget`]), a layer
 //! whose attention call would need more working memory than the budget
 //! reads its Q, K and V back and computes the call decomposed ([`Cqs`]),
@@ -46,6 +51,9 @@ use super::cqs::plan::Mask;
 use super::cqs::{AttentionCall, Cqs, CqsReport};
 use super::layers::LayerKernels;
 use super::matmul::{Matmul, MatmulShape};
+use super::report::PrefillReport;
+use super::route::profile::LatencyProfile;
+use super::route::{RouteSettings, RoutedAttention};
 use super::KernelPath;
 use crate::engine::{EngineError, PrefillBackend};
 use crate::kv::KvCache;
@@ -91,6 +99,7 @@ pub struct GpuPrefill<'m> {
     min_tokens: usize,
     /// A cap on [`Self::chunk_tokens`] below the device's.
     max_chunk: usize,
+    routed: Option<RoutedAttention>,
     /// Decomposed attention for calls past the budget.
     cqs: Option<Cqs>,
     /// What it did in the last prompt.
@@ -184,6 +193,7 @@ impl<'m> GpuPrefill<'m> {
             attention,
             min_tokens: 1,
             max_chunk: usize::MAX,
+            routed: None,
             cqs: None,
             cqs_report: Default::default(),
         })
@@ -203,6 +213,42 @@ impl<'m> GpuPrefill<'m> {
         self.cqs_report.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// Routes the attention of layers without a window (or applies one fixed
+    /// sparse pattern) as `settings` say. Routing reads this adapter's latency
+    /// profile, which `sift gpu-profile` writes.
+    pub fn with_routing(self, settings: RouteSettings) -> Result<Self, GpuError> {
+        let hp = &self.model.hp;
+        let (d, hq, hk) = (hp.head_dim_k as u32, hp.n_head as u32, hp.n_head_kv as u32);
+        let profile = match settings.pattern {
+            Some(_) => None,
+            None => {
+                let file = LatencyProfile::file(self.ctx, self.path(), d, hq, hk);
+                Some(LatencyProfile::load(&file).map_err(|reason| GpuError::Kernel {
+                    kernel: "routed attention".into(),
+                    reason: format!("no latency profile ({reason}): run `sift gpu-profile` on this adapter"),
+                })?)
+            }
+        };
+        self.with_routing_profile(settings, profile)
+    }
+
+    /// [`Self::with_routing`] with the latency profile given.
+    pub fn with_routing_profile(
+        mut self,
+        settings: RouteSettings,
+        profile: Option<LatencyProfile>,
+    ) -> Result<Self, GpuError> {
+        let hp = &self.model.hp;
+        let (d, group) = (hp.head_dim_k as u32, hp.n_gqa() as u32);
+        self.routed = Some(RoutedAttention::new(self.ctx, self.path(), (d, group), settings, profile)?);
+        Ok(self)
+    }
+
+    /// The routed attention, when [`Self::with_routing`] set it up.
+    pub fn routed(&self) -> Option<&RoutedAttention> {
+        self.routed.as_ref()
+    }
+
     /// The kernel variant attention runs (the matmuls run the best one).
     pub fn path(&self) -> KernelPath {
         self.attention.path()
@@ -216,7 +262,12 @@ impl<'m> GpuPrefill<'m> {
         let row_bytes = widest.unwrap_or(1) as u64 * 4;
         let limit = self.ctx.limits.max_storage_buffer_binding_size.min(self.ctx.limits.max_buffer_size);
         // Room for the attention kernel's padding of the last block.
-        ((limit / row_bytes) as usize).saturating_sub(64).clamp(1, self.max_chunk)
+        let tokens = ((limit / row_bytes) as usize).saturating_sub(64).clamp(1, self.max_chunk);
+        match self.routed {
+            // Sparse chunks start at multiples of the index's blocks.
+            Some(_) if tokens >= 64 => tokens / 64 * 64,
+            _ => tokens,
+        }
     }
 
     /// Prompts shorter than `min_tokens` are left to the CPU (`--gpu auto`'s
@@ -265,6 +316,10 @@ impl<'m> GpuPrefill<'m> {
     ) -> Result<Vec<f32>, GpuError> {
         let hp = &self.model.hp;
         let (n, end) = (tokens.len(), start + tokens.len());
+        let started = std::time::Instant::now();
+        if let Some(r) = &self.routed {
+            *r.report.lock().unwrap_or_else(|p| p.into_inner()) = PrefillReport::default();
+        }
         let chunk = self.chunk_tokens().min(n);
         let ws = self.workspace(chunk)?;
         let kv_dim = hp.n_head_kv * hp.head_dim_k;
@@ -321,6 +376,9 @@ impl<'m> GpuPrefill<'m> {
             }
         }
         self.store_keys_and_values(&resident, start..end, cache)?;
+        if let Some(r) = &self.routed {
+            self.finish_report(r, n, started.elapsed().as_secs_f64() * 1e3)?;
+        }
         let report = self.attention_report();
         if report.calls > 0 {
             eprintln!(
@@ -390,9 +448,14 @@ impl<'m> GpuPrefill<'m> {
             window: hp.window(il).map(|w| w as u32),
             scale: hp.attn_scale,
         };
-        match &self.cqs {
-            Some(cqs) if !cqs.fits(n, pos0 + n, hp.n_head, hp.n_head_kv, hp.head_dim_k) => {
+        match (&self.routed, &self.cqs) {
+            (_, Some(cqs)) if !cqs.fits(n, pos0 + n, hp.n_head, hp.n_head_kv, hp.head_dim_k) => {
                 self.decomposed_attention(s, cqs, ws, keys, values, &shape)?
+            }
+            (Some(routed), _) if routed.takes(&shape) => {
+                s.submit();
+                let buffers = [&ws.q16, keys, values, &ws.attn];
+                routed.attend(self.ctx, il, &shape, buffers, &self.attention, hp.head_dim_k)?;
             }
             _ => {
                 let bind = self.attention.bind(&self.ctx.device, &ws.q16, keys, values, &ws.attn);
@@ -426,6 +489,29 @@ impl<'m> GpuPrefill<'m> {
         }
         k.add_assign(s.batch(), &ws.x, &ws.proj, n * hp.n_embd);
         s.stage("l_out", il, &ws.x, n * hp.n_embd)
+    }
+
+    /// Completes the routed prompt's report and writes it where asked.
+    fn finish_report(&self, routed: &RoutedAttention, tokens: usize, prefill_ms: f64) -> Result<(), GpuError> {
+        let mut report = routed.report.lock().unwrap_or_else(|p| p.into_inner());
+        let settings = &routed.settings;
+        report.method = settings.pattern.map_or("routed", |p| p.name()).into();
+        report.adapter = self.ctx.info.name.clone();
+        report.tokens = tokens;
+        report.budget = settings.pattern.is_none().then_some(settings.budget);
+        report.tau = settings.pattern.is_none().then_some(settings.tau);
+        report.delta = Some(settings.delta_source.clone());
+        report.timing.prefill_ms = prefill_ms;
+        let decomposed = self.attention_report();
+        report.decomposed = (decomposed.calls > 0).then_some(decomposed);
+        report.summarize();
+        if let Some(path) = &settings.report {
+            report.write(path).map_err(|e| GpuError::Kernel {
+                kernel: "prefill report".into(),
+                reason: format!("cannot write {}: {e}", path.display()),
+            })?;
+        }
+        Ok(())
     }
 
     /// The attention of `shape` through [`Cqs`]: Q, K and V read back, the

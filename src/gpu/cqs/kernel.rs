@@ -1,7 +1,7 @@
 //! The pipeline of one piece: the `partial` entry of the tiled attention
 //! shader, which writes unnormalised outputs and (m, l) per query and head.
 
-use super::super::attention::TILED;
+use super::super::attention::{tiled_header, TILED};
 use super::super::pipeline::{Access, Pipeline};
 use super::super::KernelError;
 use super::plan::BLOCK;
@@ -44,7 +44,7 @@ impl PieceKernel {
             Access::Read,
             Access::ReadWrite,
         ];
-        let header = format!("const D: u32 = {head_dim}u;");
+        let header = tiled_header(head_dim);
         let kernel = Pipeline::entry(device, "attention partial", &header, TILED, "partial", &buffers);
         Ok(Self { kernel, group_heads })
     }

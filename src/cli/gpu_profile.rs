@@ -1,0 +1,335 @@
+//! `sift gpu-profile`: the latency profile routed prefill needs, the mass
+//! calibration δ, and a comparison of routed against dense attention.
+//!
+//! Without `--calibrate` or `--compare`, it measures the sparse attention
+//! kernel for every pattern and budget of the library, and the probe, at each
+//! length of `--tokens`, for the head shape of the model (or `--shape`), and
+//! writes the profile to the file `--prefill-attn routed` reads (printed on
+//! stdout). `--calibrate FILE...` prefills the first `--calibrate-tokens`
+//! tokens of each text on the GPU and writes δ_q (see
+//! `sift::gpu::route::calibration`). `--compare N,...` times attention over
+//! synthetic queries, keys and values with recency and heavy hitters (a
+//! local band of rotating directions, a few keys every query favours) at
+//! each length: sift's dense kernel, then routed attention with its probe,
+//! routing and index included, audited against the dense output.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use half::f16;
+use sift::engine::Session;
+use sift::gpu::attention::{Attention, AttentionShape, BLOCK};
+use sift::gpu::prefill::GpuPrefill;
+use sift::gpu::route::calibration::CalibrationFile;
+use sift::gpu::route::profile::{LatencyProfile, BUCKETS};
+use sift::gpu::route::{Pattern, RouteSettings, RoutedAttention};
+use sift::gpu::{AdapterPolicy, GpuContext, KernelPath};
+use sift::model::Model;
+
+use super::{ModelArgs, Usage};
+
+#[derive(Args)]
+pub struct GpuProfileArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Head shape HEADS:KV_HEADS:HEAD_DIM to profile instead of the model's (no model is read)
+    #[arg(long)]
+    shape: Option<String>,
+    /// Lengths to measure, comma-separated [default: 4096 up to 32768, or to 131072 with --shape]
+    #[arg(long, value_delimiter = ',')]
+    tokens: Vec<u32>,
+    /// Timed runs per measurement, after one warm-up
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Also accept a software adapter (lavapipe): checks the command, measures nothing useful
+    #[arg(long)]
+    allow_software: bool,
+    /// Calibrate δ from dense runs on these texts (files, or directories of .txt files) instead
+    /// of profiling; use texts other than those you evaluate on
+    #[arg(long, value_name = "FILE", num_args = 1..)]
+    calibrate: Vec<PathBuf>,
+    /// Tokens of each calibration text prefilled
+    #[arg(long, default_value_t = 8192)]
+    calibrate_tokens: usize,
+    /// The one-sided quantile δ is of the residuals m̂ − m
+    #[arg(long, default_value_t = 0.95)]
+    quantile: f64,
+    /// Time routed against dense attention on synthetic inputs at these lengths (after
+    /// profiling the shape if it has no profile yet)
+    #[arg(long, value_delimiter = ',')]
+    compare: Vec<u32>,
+    /// --compare: the routed layer's budget, a fraction of dense time
+    #[arg(long, default_value_t = 0.25)]
+    prefill_budget: f64,
+}
+
+pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
+    if args.runs == 0 {
+        return Err(Usage("--runs must be at least 1".into()).into());
+    }
+    let policy = match args.allow_software {
+        true => AdapterPolicy::AllowSoftware,
+        false => AdapterPolicy::Hardware,
+    };
+    if !args.calibrate.is_empty() {
+        return calibrate(&args, policy);
+    }
+    let (shape, default_top) = match &args.shape {
+        Some(s) => (parse_shape(s)?, 131072),
+        None => {
+            let file = args.model.open()?;
+            let model = Model::load(&file)?;
+            let hp = &model.hp;
+            ((hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim_k as u32), 32768)
+        }
+    };
+    let ctx = GpuContext::open(policy)?;
+    let path = KernelPath::best(&ctx)?;
+    let file = LatencyProfile::file(&ctx, path, shape.2, shape.0, shape.1);
+    let profile = match (args.compare.is_empty(), LatencyProfile::load(&file)) {
+        (false, Ok(profile)) => profile,
+        _ => {
+            let buckets: Vec<u32> = match args.tokens.is_empty() {
+                true => BUCKETS.iter().copied().filter(|&b| b <= default_top).collect(),
+                false => args.tokens.clone(),
+            };
+            let profile = LatencyProfile::measure(&ctx, path, shape, &buckets, args.runs)?;
+            profile.save(&file).with_context(|| format!("writing {}", file.display()))?;
+            print_profile(&profile);
+            println!("profile: {}", file.display());
+            profile
+        }
+    };
+    for &n in &args.compare {
+        compare(&ctx, path, shape, n, &profile, args.prefill_budget)?;
+    }
+    Ok(())
+}
+
+fn parse_shape(s: &str) -> Result<(u32, u32, u32), Usage> {
+    let bad = || Usage(format!("bad --shape '{s}': HEADS:KV_HEADS:HEAD_DIM, heads a multiple of KV heads"));
+    let v: Vec<u32> = s.split(':').map(str::parse).collect::<Result<_, _>>().map_err(|_| bad())?;
+    match v[..] {
+        [h, kv, d] if kv > 0 && h > 0 && h.is_multiple_of(kv) && d > 0 && d.is_multiple_of(32) => Ok((h, kv, d)),
+        _ => Err(bad()),
+    }
+}
+
+fn print_profile(profile: &LatencyProfile) {
+    println!("adapter: {} ({}), {} path", profile.adapter, profile.driver, profile.path);
+    println!("| pattern | budget | tokens | µs per KV head |");
+    println!("| --- | --- | ---: | ---: |");
+    for e in &profile.entries {
+        println!("| {} | {:?} | {} | {:.1} |", e.pattern.name(), e.pattern.budget_units(e.budget), e.tokens, e.us);
+    }
+    for p in &profile.probe {
+        println!("| probe + index builders (layer) | | {} | {:.1} |", p.tokens, p.us);
+    }
+}
+
+/// Synthetic attention inputs with recency (queries and keys share rotating
+/// directions, so a query favours the keys near it) and heavy hitters (the
+/// first 4 keys and every 997th get a component every query favours), more
+/// or less sharp per KV head.
+fn synthetic(n: usize, hq: usize, hk: usize, d: usize, rows: usize) -> [Vec<f16>; 3] {
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut noise = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    };
+    let pairs = 8usize;
+    let angle = |t: usize, f: usize| t as f32 * std::f32::consts::TAU / (128u32 << f) as f32;
+    let sharpness = |kv_head: usize| 1.0 + (kv_head % 4) as f32;
+    let mut q = vec![f16::ZERO; rows.max(n) * hq * d];
+    let mut k = vec![f16::ZERO; rows.max(n) * hk * d];
+    let mut v = vec![f16::ZERO; rows.max(n) * hk * d];
+    let group = hq / hk;
+    for t in 0..n {
+        for h in 0..hq {
+            let a = sharpness(h / group) * 1.6;
+            let row = &mut q[(t * hq + h) * d..][..d];
+            for (c, x) in row.iter_mut().enumerate() {
+                *x = f16::from_f32(match c {
+                    c if c < 2 * pairs => a * if c % 2 == 0 { angle(t, c / 2).cos() } else { angle(t, c / 2).sin() },
+                    c if c == 2 * pairs => 3.0,
+                    _ => 0.5 * noise(),
+                });
+            }
+        }
+        let heavy = t < 4 || t % 997 == 0;
+        for h in 0..hk {
+            let a = sharpness(h) * 1.6;
+            let row = &mut k[(t * hk + h) * d..][..d];
+            for (c, x) in row.iter_mut().enumerate() {
+                *x = f16::from_f32(match c {
+                    c if c < 2 * pairs => a * if c % 2 == 0 { angle(t, c / 2).cos() } else { angle(t, c / 2).sin() },
+                    c if c == 2 * pairs => {
+                        if heavy {
+                            3.0
+                        } else {
+                            0.0
+                        }
+                    }
+                    _ => 0.5 * noise(),
+                });
+            }
+            for x in &mut v[(t * hk + h) * d..][..d] {
+                *x = f16::from_f32(noise());
+            }
+        }
+    }
+    [q, k, v]
+}
+
+/// Dense against routed attention at `n` positions on synthetic inputs.
+fn compare(
+    ctx: &GpuContext,
+    path: KernelPath,
+    (hq, hk, d): (u32, u32, u32),
+    n: u32,
+    profile: &LatencyProfile,
+    budget: f64,
+) -> anyhow::Result<()> {
+    eprintln!("gpu-profile: comparing at {n} tokens");
+    let dense = Attention::new(&ctx.device, path, d, hq / hk)?;
+    let settings = RouteSettings { budget, audit: true, ..RouteSettings::default() };
+    let routed = RoutedAttention::new(ctx, path, (d, hq / hk), settings, Some(profile.clone()))?;
+    // Chunks whose f32 output fits one binding, in whole blocks.
+    let binding = ctx.limits.max_storage_buffer_binding_size.min(ctx.limits.max_buffer_size);
+    let chunk = ((binding / (hq * d * 4) as u64) as u32 / BLOCK * BLOCK).min(n.next_multiple_of(BLOCK));
+    let scale = 1.0 / (d as f32).sqrt();
+    let shapes: Vec<AttentionShape> = (0..n)
+        .step_by(chunk as usize)
+        .map(|pos0| AttentionShape { n: chunk.min(n - pos0), pos0, n_head: hq, n_kv_head: hk, window: None, scale })
+        .collect();
+    let padded = n.next_multiple_of(BLOCK) as usize;
+    let [q, k, v] = synthetic(n as usize, hq as usize, hk as usize, d as usize, padded);
+    let q_row = hq as usize * d as usize;
+    let kb = ctx.upload("k", &k)?;
+    let vb = ctx.upload("v", &v)?;
+    let o = ctx.storage::<f32>("o", chunk.next_multiple_of(BLOCK) as usize * q_row)?;
+    let mut dense_ms = 0.0;
+    for shape in &shapes {
+        let rows = shape.n.next_multiple_of(BLOCK) as usize;
+        let mut chunk_q =
+            q[shape.pos0 as usize * q_row..][..(rows * q_row).min(q.len() - shape.pos0 as usize * q_row)].to_vec();
+        chunk_q.resize(rows * q_row, f16::ZERO);
+        let qb = ctx.upload("q", &chunk_q)?;
+        let bind = dense.bind(&ctx.device, &qb, &kb, &vb, &o);
+        let sizes = [qb.size(), kb.size(), vb.size(), o.size()];
+        let mut samples = Vec::new();
+        for _ in 0..2 {
+            let mut batch = ctx.batch();
+            batch.mark();
+            batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes))?;
+            batch.mark();
+            let started = Instant::now();
+            let marks = batch.submit_timed()?;
+            samples
+                .push(marks.and_then(|m| m.first().copied()).unwrap_or_else(|| started.elapsed().as_secs_f64() * 1e3));
+        }
+        dense_ms += samples[1];
+        routed.attend(ctx, 0, shape, [&qb, &kb, &vb, &o], &dense, d as usize)?;
+        ctx.recycle(qb);
+    }
+    let mut report = routed.report.lock().unwrap_or_else(|p| p.into_inner());
+    report.summarize();
+    let routed_ms = report.timing.routed_wall_ms;
+    println!(
+        "compare N={n} {hq}/{hk} heads d={d}: dense {dense_ms:.2} ms (GPU timestamps), routed {routed_ms:.2} ms \
+         (wall clock, readbacks included; of it probe {:.2} + index {:.2} GPU, routing {:.2} CPU, kernel {:.2} GPU): {:.2}x",
+        report.timing.probe_ms,
+        report.timing.index_ms,
+        report.timing.routing_ms,
+        report.timing.kernel_ms,
+        dense_ms / routed_ms
+    );
+    for layer in &report.layers {
+        for h in &layer.heads {
+            let a = h.audit.as_ref();
+            println!(
+                "  pos0 {} kv head {}: {} {:?} density {:.3} m̂ {:.4} m̲ {:.4} true m {:.4} rel. error {:.2e} mean row error {:.2e} certificate {:.2e} covered {}",
+                layer.pos0,
+                h.kv_head,
+                h.pattern,
+                h.budget,
+                h.density,
+                h.mass_estimate,
+                h.mass_lower,
+                a.map_or(f64::NAN, |a| a.true_mass),
+                a.map_or(f64::NAN, |a| a.relative_error),
+                a.map_or(f64::NAN, |a| a.mean_row_error),
+                h.certificate,
+                a.is_some_and(|a| a.covered)
+            );
+        }
+    }
+    println!(
+        "  fallback rate {:.3}, coverage {:?}, layers within budget {}/{}",
+        report.summary.fallback_rate,
+        report.summary.coverage,
+        report.summary.layers_within_budget,
+        report.layers.len()
+    );
+    for b in [kb, vb, o] {
+        ctx.recycle(b);
+    }
+    Ok(())
+}
+
+/// `--calibrate`: δ from dense runs on the texts.
+fn calibrate(args: &GpuProfileArgs, policy: AdapterPolicy) -> anyhow::Result<()> {
+    let file = args.model.open()?;
+    let model = Model::load(&file)?;
+    let tokenizer = sift::tokenizer::Tokenizer::from_gguf(&file)?;
+    let ctx: &'static GpuContext = Box::leak(Box::new(GpuContext::open(policy)?));
+    let settings = RouteSettings { pattern: Some(Pattern::BlockSparse), calibrate: true, ..RouteSettings::default() };
+    let prefill = GpuPrefill::new(ctx, &model)?.with_routing(settings)?;
+    let mut texts = Vec::new();
+    for path in &args.calibrate {
+        match path.is_dir() {
+            true => {
+                let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+                    .with_context(|| format!("reading {}", path.display()))?
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.extension().is_some_and(|e| e == "txt"))
+                    .collect();
+                files.sort();
+                texts.extend(files);
+            }
+            false => texts.push(path.clone()),
+        }
+    }
+    for text in &texts {
+        eprintln!("gpu-profile: calibrating on {}", text.display());
+        let body = std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
+        let mut tokens = tokenizer.encode(&body, true, false)?;
+        tokens.truncate(args.calibrate_tokens);
+        let mut session = Session::new(&model, tokens.len() + 1);
+        session.set_prefill_backend(Box::new(&prefill));
+        session.prefill(&tokens)?;
+    }
+    let residuals =
+        prefill.routed().map(|r| r.residuals.lock().unwrap_or_else(|p| p.into_inner()).clone()).unwrap_or_default();
+    let names = texts.iter().map(|t| t.display().to_string()).collect();
+    let model_name = file.path().file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned());
+    let calibration =
+        CalibrationFile::from_residuals(&residuals, args.quantile, model_name, names, args.calibrate_tokens)
+            .context("no global layer was routed: no residuals")?;
+    let out = CalibrationFile::file(&model.hp);
+    calibration.save(&out).with_context(|| format!("writing {}", out.display()))?;
+    println!(
+        "delta {:.4} (the {} quantile of {} residuals m̂ − m; mean {:.4}, max {:.4}): {}",
+        calibration.delta,
+        calibration.quantile,
+        calibration.residuals,
+        calibration.mean_residual,
+        calibration.max_residual,
+        out.display()
+    );
+    Ok(())
+}

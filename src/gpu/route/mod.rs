@@ -1,0 +1,68 @@
+//! RouteSparse: sparse prefill attention chosen per input under a latency
+//! budget.
+//!
+//! A global layer's attention can run on a library of structured sparse
+//! masks ([`index::Mask`]): A-shape (sinks and a local band), vertical-slash
+//! (columns and diagonals estimated from the last queries) and block-sparse
+//! (the best 64 × 64 blocks by pooled scores), on the same flash-style
+//! kernels as dense attention, which then visit only the listed keys.
+//! Which mask each KV head gets is decided per prompt: a shared probe of a few
+//! queries ([`probe`]) estimates the attention mass each candidate keeps
+//! ([`candidates`]), and the router ([`router`]) picks, per layer, the
+//! lowest-risk choices whose measured kernel times ([`profile`]) fit the
+//! budget, falling back to dense attention where the lower mass bound
+//! m̲ = max(0, m̂ − δ_q) ([`calibration`]) is under τ. [`routed`] puts it
+//! together for one layer; the prefill's report is [`crate::gpu::report`].
+
+pub mod calibration;
+pub mod candidates;
+pub mod index;
+pub mod probe;
+pub mod profile;
+pub mod routed;
+pub mod router;
+
+use std::path::PathBuf;
+
+pub use candidates::{Candidate, Pattern};
+pub use index::{GpuIndex, Mask, SparseIndex};
+pub use routed::RoutedAttention;
+
+/// How a routed (or fixed-pattern) prefill behaves.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RouteSettings {
+    /// A fixed pattern for every KV head (the baselines); `None` routes.
+    pub pattern: Option<Pattern>,
+    /// Each layer's attention time as a fraction of its dense time.
+    pub budget: f64,
+    /// Dense fallback when m̲ < τ.
+    pub tau: f64,
+    /// The weight of the probe subsets' disagreement in the risk.
+    pub alpha: f64,
+    /// δ_q, and where it came from (for the report).
+    pub delta: f64,
+    pub delta_source: crate::gpu::report::Calibration,
+    /// Measure each routed head against dense attention.
+    pub audit: bool,
+    /// Record every candidate's residual m̂ − m (`sift gpu-profile --calibrate`).
+    pub calibrate: bool,
+    /// Where the prefill report goes.
+    pub report: Option<PathBuf>,
+}
+
+impl Default for RouteSettings {
+    fn default() -> Self {
+        let delta = 0.05;
+        Self {
+            pattern: None,
+            budget: 0.25,
+            tau: 0.95,
+            alpha: 0.5,
+            delta,
+            delta_source: crate::gpu::report::Calibration { delta, quantile: 0.95, file: None },
+            audit: false,
+            calibrate: false,
+            report: None,
+        }
+    }
+}

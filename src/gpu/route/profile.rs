@@ -1,0 +1,295 @@
+//! The latency profile: measured sparse-attention kernel times per
+//! (pattern, budget, length bucket) on one adapter, which the router uses in
+//! place of FLOP counts.
+//!
+//! `sift gpu-profile` measures it and writes it to a file named after the
+//! adapter, the driver, the kernel path and the head shape (under
+//! `$SIFT_CACHE_DIR`, else `$XDG_CACHE_HOME/sift`, else `~/.cache/sift`);
+//! a routed prefill reads it, and refuses to route without one. Each entry is
+//! the median GPU time of one dispatch over every KV head of the shape,
+//! divided by their number, for a mask of that pattern and budget whose
+//! content is synthetic (the time depends on how many keys a query block
+//! lists, which the budget fixes, not on which): vertical-slash columns
+//! spread uniformly, half of its diagonals next to the main one and half
+//! spread; block-sparse blocks spread uniformly. The probe's and index
+//! builders' time per layer is measured at each bucket too. Between buckets
+//! times are interpolated linearly in the length; beyond the largest one they
+//! are scaled by the length (by its square for dense).
+
+use std::path::{Path, PathBuf};
+
+use half::f16;
+use serde::{Deserialize, Serialize};
+
+use super::candidates::{Candidate, Pattern};
+use super::index::{Mask, SparseIndex};
+use super::probe::{ProbeKernels, ProbeRows};
+use crate::gpu::attention::{Attention, AttentionShape, BLOCK};
+use crate::gpu::{GpuContext, GpuError, KernelPath};
+
+/// The length buckets `sift gpu-profile` measures by default.
+pub const BUCKETS: [u32; 6] = [4096, 8192, 16384, 32768, 65536, 131072];
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LatencyProfile {
+    pub adapter: String,
+    pub driver: String,
+    pub path: String,
+    pub head_dim: u32,
+    pub n_head: u32,
+    pub n_kv_head: u32,
+    pub entries: Vec<Entry>,
+    /// The probe and index builders, per layer.
+    pub probe: Vec<ProbeEntry>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    pub pattern: Pattern,
+    pub budget: [u32; 2],
+    pub tokens: u32,
+    /// Median kernel time per KV head, µs.
+    pub us: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProbeEntry {
+    pub tokens: u32,
+    pub us: f64,
+}
+
+impl LatencyProfile {
+    /// Where the profile of this adapter and head shape lives.
+    pub fn file(ctx: &GpuContext, path: KernelPath, head_dim: u32, n_head: u32, n_kv_head: u32) -> PathBuf {
+        let name = format!(
+            "gpu-profile-{}-{}-{}-{}-d{head_dim}-h{n_head}x{n_kv_head}.json",
+            ctx.info.name,
+            ctx.info.driver,
+            ctx.info.driver_info,
+            path.name()
+        );
+        let safe: String =
+            name.chars().map(|c| if c.is_ascii_alphanumeric() || ".-_".contains(c) { c } else { '_' }).collect();
+        cache_dir().join(safe)
+    }
+
+    pub fn load(file: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", file.display()))
+    }
+
+    pub fn save(&self, file: &Path) -> std::io::Result<()> {
+        if let Some(dir) = file.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(file, serde_json::to_string_pretty(self).map_err(std::io::Error::other)? + "\n")
+    }
+
+    /// The kernel time per KV head of `c` over `tokens` positions, µs.
+    pub fn time_us(&self, c: Candidate, tokens: u32) -> Option<f64> {
+        let points: Vec<(u32, f64)> = self
+            .entries
+            .iter()
+            .filter(|e| e.pattern == c.pattern && e.budget == c.budget)
+            .map(|e| (e.tokens, e.us))
+            .collect();
+        let power = if c.pattern == Pattern::Dense { 2 } else { 1 };
+        interpolate(&points, tokens, power)
+    }
+
+    /// The probe's and index builders' time per layer, µs.
+    pub fn probe_us(&self, tokens: u32) -> Option<f64> {
+        let points: Vec<(u32, f64)> = self.probe.iter().map(|e| (e.tokens, e.us)).collect();
+        interpolate(&points, tokens, 1)
+    }
+
+    /// Measures every candidate of the library at every bucket up to
+    /// `max_tokens`, `runs` timed runs after a warm-up.
+    pub fn measure(
+        ctx: &GpuContext,
+        path: KernelPath,
+        (n_head, n_kv_head, head_dim): (u32, u32, u32),
+        buckets: &[u32],
+        runs: usize,
+    ) -> Result<Self, GpuError> {
+        let kernel_error =
+            |e: crate::gpu::KernelError| GpuError::Kernel { kernel: "gpu-profile".into(), reason: e.to_string() };
+        let attention = Attention::sparse(&ctx.device, path, head_dim, n_head / n_kv_head).map_err(kernel_error)?;
+        let dense = Attention::new(&ctx.device, path, head_dim, n_head / n_kv_head).map_err(kernel_error)?;
+        // Chunks of queries whose f32 output fits one binding, in whole blocks.
+        let binding = ctx.limits.max_storage_buffer_binding_size.min(ctx.limits.max_buffer_size);
+        let widest = ((binding / (n_head as u64 * head_dim as u64 * 4)) as u32 / BLOCK * BLOCK).max(BLOCK);
+        let probe = ProbeKernels::new(ctx, head_dim)?;
+        let mut profile = Self {
+            adapter: ctx.info.name.clone(),
+            driver: format!("{} {}", ctx.info.driver, ctx.info.driver_info),
+            path: path.name().into(),
+            head_dim,
+            n_head,
+            n_kv_head,
+            entries: Vec::new(),
+            probe: Vec::new(),
+        };
+        let d = head_dim as usize;
+        for &n in buckets {
+            eprintln!("gpu-profile: {n} tokens");
+            let scale = 1.0 / (head_dim as f32).sqrt();
+            let shapes: Vec<AttentionShape> = (0..n)
+                .step_by(widest as usize)
+                .map(|pos0| AttentionShape { n: widest.min(n - pos0), pos0, n_head, n_kv_head, window: None, scale })
+                .collect();
+            let shape = shapes[0];
+            let rows = attention.query_rows(&shape) as usize;
+            let keys = n.next_multiple_of(BLOCK) as usize;
+            let noise = |len: usize, seed: u64| -> Vec<f16> {
+                let mut s = seed;
+                (0..len)
+                    .map(|_| {
+                        s ^= s << 13;
+                        s ^= s >> 7;
+                        s ^= s << 17;
+                        f16::from_f32((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+                    })
+                    .collect()
+            };
+            let q = ctx.upload("profile q", &noise(rows * n_head as usize * d, 1))?;
+            let k = ctx.upload("profile k", &noise(keys * n_kv_head as usize * d, 2))?;
+            let v = ctx.upload("profile v", &noise(keys * n_kv_head as usize * d, 3))?;
+            let o = ctx.storage::<f32>("profile o", rows * n_head as usize * d)?;
+            for c in Candidate::library() {
+                let mask = synthetic_mask(c, n);
+                let masks = vec![&mask; n_kv_head as usize];
+                let index = SparseIndex::new(&masks, n);
+                let gpu_index = index.upload(ctx)?;
+                let buffers = gpu_index.buffers();
+                // Dense is timed on the dense kernel, which is what a dense layer runs.
+                let bind = match c.pattern {
+                    Pattern::Dense => dense.bind(&ctx.device, &q, &k, &v, &o),
+                    _ => attention.bind_sparse(&ctx.device, [&q, &k, &v, &o], &buffers),
+                };
+                let sizes = [q.size(), k.size(), v.size(), o.size()];
+                let mut samples = Vec::new();
+                for run in 0..=runs {
+                    let mut batch = ctx.batch();
+                    batch.mark();
+                    for shape in &shapes {
+                        batch
+                            .record("attention", |pass| match c.pattern {
+                                Pattern::Dense => dense.dispatch(pass, &bind, shape, sizes),
+                                _ => attention.dispatch_sparse(pass, &bind, shape, sizes, &buffers),
+                            })
+                            .map_err(kernel_error)?;
+                    }
+                    batch.mark();
+                    let started = std::time::Instant::now();
+                    let marks = batch.submit_timed()?;
+                    let ms =
+                        marks.and_then(|m| m.first().copied()).unwrap_or_else(|| started.elapsed().as_secs_f64() * 1e3);
+                    if run > 0 {
+                        samples.push(ms);
+                    }
+                }
+                gpu_index.recycle(ctx);
+                let us = median(&mut samples) * 1e3 / n_kv_head as f64;
+                profile.entries.push(Entry { pattern: c.pattern, budget: c.budget, tokens: n, us });
+            }
+            let probe_rows = ProbeRows::new(0, shape.n, 32, 16);
+            let mut samples = Vec::new();
+            for run in 0..=runs {
+                let p = probe.run(ctx, &shape, &probe_rows, &q, &k)?;
+                if run > 0 {
+                    samples.push(p.probe_ms + p.index_ms);
+                }
+            }
+            profile.probe.push(ProbeEntry { tokens: n, us: median(&mut samples) * 1e3 });
+            for b in [q, k, v, o] {
+                ctx.recycle(b);
+            }
+        }
+        Ok(profile)
+    }
+}
+
+/// `$SIFT_CACHE_DIR`, else `$XDG_CACHE_HOME/sift`, else `~/.cache/sift`.
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("SIFT_CACHE_DIR")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("sift")))
+        .or_else(|| std::env::var_os("HOME").map(|d| PathBuf::from(d).join(".cache/sift")))
+        .unwrap_or_else(|| PathBuf::from(".sift-cache"))
+}
+
+fn median(samples: &mut [f64]) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples.get(samples.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Linear between measured lengths; proportional below the first (and to
+/// `tokens^power` past the last).
+fn interpolate(points: &[(u32, f64)], tokens: u32, power: i32) -> Option<f64> {
+    let mut points = points.to_vec();
+    points.sort_by_key(|p| p.0);
+    let (first, last) = (*points.first()?, *points.last()?);
+    let x = tokens as f64;
+    if tokens <= first.0 {
+        return Some(first.1 * x / first.0 as f64);
+    }
+    if tokens >= last.0 {
+        return Some(last.1 * (x / last.0 as f64).powi(power));
+    }
+    let i = points.iter().position(|p| p.0 >= tokens)?;
+    let ((x0, y0), (x1, y1)) = (points[i - 1], points[i]);
+    Some(y0 + (y1 - y0) * (x - x0 as f64) / (x1 - x0) as f64)
+}
+
+/// A mask of `c`'s pattern and budget with made-up content over `n` positions.
+fn synthetic_mask(c: Candidate, n: u32) -> Mask {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ n as u64;
+    let mut next = |below: u32| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % below.max(1) as u64) as u32
+    };
+    match c.pattern {
+        Pattern::Dense => Mask::Dense,
+        Pattern::AShape => Mask::AShape { sink_blocks: c.budget[0], local_blocks: c.budget[1] },
+        Pattern::VerticalSlash => {
+            let near = c.budget[1] / 2;
+            let mut diagonals: Vec<u32> = (0..near.min(n)).collect();
+            diagonals.extend((near..c.budget[1]).map(|_| next(n)));
+            let mut columns: Vec<u32> = (0..c.budget[0]).map(|_| next(n)).collect();
+            for v in [&mut columns, &mut diagonals] {
+                v.sort_unstable();
+                v.dedup();
+            }
+            Mask::VerticalSlash { columns, diagonals }
+        }
+        Pattern::BlockSparse => {
+            let blocks = (0..n.div_ceil(BLOCK)).map(|b| (0..c.budget[0]).map(|_| next(b + 1)).collect()).collect();
+            Mask::BlockSparse { blocks }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times_interpolate_between_buckets_and_scale_past_them() {
+        let points = [(1000, 10.0), (2000, 30.0)];
+        assert_eq!(interpolate(&points, 1500, 1), Some(20.0));
+        assert_eq!(interpolate(&points, 500, 1), Some(5.0));
+        assert_eq!(interpolate(&points, 4000, 2), Some(120.0));
+        assert_eq!(interpolate(&[], 4000, 2), None);
+    }
+
+    #[test]
+    fn synthetic_masks_keep_their_budgets() {
+        let c = Candidate { pattern: Pattern::BlockSparse, budget: [4, 0] };
+        let Mask::BlockSparse { blocks } = synthetic_mask(c, 1024) else { panic!() };
+        assert_eq!(blocks.len(), 16);
+        assert!(blocks.iter().all(|b| b.len() == 4));
+    }
+}

@@ -1,0 +1,367 @@
+//! One global layer's attention, routed: probe, candidates, router, index,
+//! sparse kernel, and what the report says of it.
+//!
+//! [`RoutedAttention::attend`] replaces the dense attention dispatch of a
+//! layer without a window, for a chunk that starts at a multiple of 64
+//! positions (prefill makes its chunks so): it runs the probe and the index
+//! builders on the chunk's queries and the resident keys, builds every
+//! candidate's mask per KV head with its mass estimate, and either routes
+//! (`--prefill-attn routed`: [`super::router::route`] under the budget, with
+//! the latency profile's times) or applies one fixed pattern at
+//! MInference's budget (`ashape`, `vslash`, `blocksparse`: the baselines, no
+//! fallback). The chosen masks of all KV heads go into one index and one
+//! dispatch of the sparse kernel. With the audit on, dense attention runs
+//! beside it into scratch, and the true mass kept is measured on 256 rows
+//! spread over the chunk (row statistics over the index's keys against
+//! those over all keys).
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+use half::f16;
+use wgpu::Buffer;
+
+use super::candidates::{estimate, Candidate, Estimate, Pattern};
+use super::index::{value_norm_max, Mask, SparseIndex};
+use super::probe::{ProbeKernels, ProbeRows};
+use super::profile::LatencyProfile;
+use super::router::{route, Choice};
+use super::RouteSettings;
+use crate::gpu::attention::{Attention, AttentionShape, BLOCK};
+use crate::gpu::report::{HeadAudit, HeadReport, LayerReport, PrefillReport};
+use crate::gpu::{GpuContext, GpuError, KernelPath};
+
+/// Rows of the chunk the audit measures the true mass on.
+const AUDIT_ROWS: u32 = 256;
+
+/// The routed attention of a prefill: kernels, profile, settings, and the
+/// report of the prompt being prefilled.
+pub struct RoutedAttention {
+    pub settings: RouteSettings,
+    sparse: Attention,
+    probe: ProbeKernels,
+    profile: Option<LatencyProfile>,
+    pub report: Mutex<PrefillReport>,
+    /// m̂ − m per (layer, KV head, candidate), when calibrating.
+    pub residuals: Mutex<Vec<f64>>,
+}
+
+fn kernel_error(e: crate::gpu::KernelError) -> GpuError {
+    GpuError::Kernel { kernel: "routed attention".into(), reason: e.to_string() }
+}
+
+/// What one KV head got, before the report.
+struct Chosen {
+    candidate: Candidate,
+    mask: Mask,
+    estimate: Estimate,
+    lower: f64,
+    fallback: bool,
+}
+
+impl RoutedAttention {
+    /// Kernels for heads of `head_dim` with `group_heads` query heads per KV
+    /// head; routing needs `profile`, the fixed patterns do not.
+    pub fn new(
+        ctx: &GpuContext,
+        path: KernelPath,
+        (head_dim, group_heads): (u32, u32),
+        settings: RouteSettings,
+        profile: Option<LatencyProfile>,
+    ) -> Result<Self, GpuError> {
+        if settings.pattern.is_none() && profile.is_none() {
+            return Err(GpuError::Kernel {
+                kernel: "routed attention".into(),
+                reason: "no latency profile for this adapter and head shape: run `sift gpu-profile`".into(),
+            });
+        }
+        Ok(Self {
+            sparse: Attention::sparse(&ctx.device, path, head_dim, group_heads).map_err(kernel_error)?,
+            probe: ProbeKernels::new(ctx, head_dim)?,
+            profile,
+            settings,
+            report: Mutex::default(),
+            residuals: Mutex::default(),
+        })
+    }
+
+    /// Whether this call can go sparse.
+    pub fn takes(&self, shape: &AttentionShape) -> bool {
+        shape.window.is_none() && shape.pos0.is_multiple_of(BLOCK)
+    }
+
+    /// Attention of layer `layer` for `shape` into `out`, from the chunk's f16
+    /// queries and the resident keys and values. Everything recorded before
+    /// must have been submitted; this submits its own work.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &self,
+        ctx: &GpuContext,
+        layer: usize,
+        shape: &AttentionShape,
+        [q16, keys, values, out]: [&Buffer; 4],
+        dense: &Attention,
+        head_dim: usize,
+    ) -> Result<(), GpuError> {
+        let started = Instant::now();
+        let hk = shape.n_kv_head as usize;
+        let kv_len = shape.kv_len();
+        let qb0 = (shape.pos0 / BLOCK) as usize;
+        let rows = ProbeRows::new(shape.pos0, shape.n, 32, 16);
+        let probe = self.probe.run(ctx, shape, &rows, q16, keys)?;
+        let routing_started = Instant::now();
+        let library: Vec<Candidate> = match self.settings.pattern {
+            Some(p) => vec![Candidate::DENSE, fixed_budget(p)],
+            None => Candidate::library(),
+        };
+        // Per KV head, every candidate's mask and estimate.
+        let options: Vec<Vec<(Candidate, Mask, Estimate)>> = (0..hk)
+            .map(|h| {
+                library
+                    .iter()
+                    .map(|&c| {
+                        let mask = c.mask(&probe, h, qb0);
+                        let e = estimate(&mask, &probe, &rows, h);
+                        (c, mask, e)
+                    })
+                    .collect()
+            })
+            .collect();
+        let lower = |e: &Estimate| (e.mass - self.settings.delta).max(0.0);
+        let time = |c: Candidate| self.profile.as_ref().and_then(|p| p.time_us(c, kv_len)).unwrap_or(0.0);
+        let overhead_us = self.profile.as_ref().and_then(|p| p.probe_us(kv_len)).unwrap_or(0.0);
+        let heads: Vec<Vec<Choice>> = options
+            .iter()
+            .map(|o| {
+                o.iter()
+                    .map(|(c, _, e)| Choice { risk: e.risk(self.settings.alpha), lower: lower(e), time_us: time(*c) })
+                    .collect()
+            })
+            .collect();
+        let (plan, picks): (Option<_>, Vec<usize>) = match self.settings.pattern {
+            // A fixed pattern everywhere, as MInference's baselines.
+            Some(_) => (None, vec![1; hk]),
+            None => {
+                let plan = route(&heads, self.settings.budget, overhead_us, self.settings.tau);
+                let picks = plan.choice.clone();
+                (Some(plan), picks)
+            }
+        };
+        let chosen: Vec<Chosen> = options
+            .into_iter()
+            .zip(&picks)
+            .enumerate()
+            .map(|(h, (mut o, &i))| {
+                let (candidate, mask, estimate) = o.swap_remove(i);
+                let fallback = plan.as_ref().is_some_and(|p| p.fallback[h]);
+                Chosen { candidate, lower: lower(&estimate), mask, estimate, fallback }
+            })
+            .collect();
+        let masks: Vec<&Mask> = chosen.iter().map(|c| &c.mask).collect();
+        let index = SparseIndex::new(&masks, kv_len);
+        let gpu_index = index.upload(ctx)?;
+        let routing_ms = routing_started.elapsed().as_secs_f64() * 1e3;
+
+        let buffers = gpu_index.buffers();
+        let sizes = [q16.size(), keys.size(), values.size(), out.size()];
+        let mut batch = ctx.batch();
+        batch.mark();
+        // Every head dense: the dense kernel, faster than the sparse one over full lists.
+        if chosen.iter().all(|c| c.mask == Mask::Dense) {
+            let bind = dense.bind(&ctx.device, q16, keys, values, out);
+            batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes)).map_err(kernel_error)?;
+        } else {
+            let bind = self.sparse.bind_sparse(&ctx.device, [q16, keys, values, out], &buffers);
+            batch
+                .record("sparse attention", |pass| self.sparse.dispatch_sparse(pass, &bind, shape, sizes, &buffers))
+                .map_err(kernel_error)?;
+        }
+        batch.mark();
+        let kernel_ms = batch.submit_timed()?.and_then(|t| t.first().copied()).unwrap_or(0.0);
+        let wall_ms = started.elapsed().as_secs_f64() * 1e3;
+
+        let audits = match self.settings.audit {
+            true => Some(self.audit(ctx, shape, [q16, keys, values, out], dense, &gpu_index, head_dim)?),
+            false => None,
+        };
+        if self.settings.calibrate {
+            self.calibrate(ctx, shape, [q16, keys], &probe, &rows, qb0)?;
+        }
+        gpu_index.recycle(ctx);
+        let v_max = match self.settings.report.is_some() || self.settings.audit {
+            true => value_norm_max(&ctx.read::<f16>(values, 0, kv_len as usize * hk * head_dim)?, hk, head_dim),
+            false => vec![0.0; hk],
+        };
+
+        let mut report = self.report.lock().unwrap_or_else(|p| p.into_inner());
+        let heads_report: Vec<HeadReport> = chosen
+            .iter()
+            .enumerate()
+            .map(|(h, c)| {
+                let certificate = 2.0 * (1.0 - c.lower) * v_max[h];
+                let audit = audits.as_ref().map(|a| {
+                    let (relative_error, mean_row_error, true_mass) = a[h];
+                    HeadAudit { relative_error, mean_row_error, true_mass, covered: mean_row_error <= certificate }
+                });
+                HeadReport {
+                    kv_head: h,
+                    pattern: c.candidate.pattern.name().into(),
+                    budget: c.candidate.pattern.budget_units(c.candidate.budget),
+                    density: index.density(h as u32),
+                    mass_estimate: c.estimate.mass,
+                    mass_lower: c.lower,
+                    disagreement: c.estimate.disagreement,
+                    risk: c.estimate.risk(self.settings.alpha),
+                    fallback: c.fallback,
+                    v_max: v_max[h],
+                    certificate,
+                    audit,
+                }
+            })
+            .collect();
+        let planned_us = heads.iter().zip(&picks).map(|(o, &i)| o[i].time_us).sum::<f64>() + overhead_us;
+        let dense_us: f64 = heads.iter().map(|o| o[0].time_us).sum();
+        report.layers.push(LayerReport {
+            layer,
+            pos0: shape.pos0 as usize,
+            queries: shape.n as usize,
+            budget_us: plan.as_ref().map(|p| p.budget_us),
+            planned_us,
+            dense_us,
+            heads: heads_report,
+        });
+        report.timing.probe_ms += probe.probe_ms;
+        report.timing.index_ms += probe.index_ms;
+        report.timing.routing_ms += routing_ms;
+        report.timing.kernel_ms += kernel_ms;
+        report.timing.routed_wall_ms += wall_ms;
+        report.timing.dense_estimate_ms += dense_us / 1e3;
+        Ok(())
+    }
+
+    /// Per KV head: the relative error against dense attention over the
+    /// chunk, the mean per-row L2 error, and the mean true mass on the audit rows.
+    #[allow(clippy::too_many_arguments)]
+    fn audit(
+        &self,
+        ctx: &GpuContext,
+        shape: &AttentionShape,
+        [q16, keys, values, out]: [&Buffer; 4],
+        dense: &Attention,
+        index: &super::GpuIndex,
+        d: usize,
+    ) -> Result<Vec<(f64, f64, f64)>, GpuError> {
+        let (hq, hk) = (shape.n_head as usize, shape.n_kv_head as usize);
+        let n = shape.n as usize;
+        let scratch = ctx.storage::<f32>("audit dense out", (out.size() / 4) as usize)?;
+        let bind = dense.bind(&ctx.device, q16, keys, values, &scratch);
+        let sizes = [q16.size(), keys.size(), values.size(), scratch.size()];
+        let mut batch = ctx.batch();
+        batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes)).map_err(kernel_error)?;
+        batch.submit();
+        let exact: Vec<f32> = ctx.read(&scratch, 0, n * hq * d)?;
+        let sparse: Vec<f32> = ctx.read(out, 0, n * hq * d)?;
+        ctx.recycle(scratch);
+        let masses = self.true_masses(ctx, shape, [q16, keys], Some(index))?;
+        let group = hq / hk;
+        Ok((0..hk)
+            .map(|h| {
+                let (mut diff, mut norm, mut row_error) = (0.0f64, 0.0f64, 0.0f64);
+                for t in 0..n {
+                    for g in 0..group {
+                        let at = (t * hq + h * group + g) * d;
+                        let row_diff: f64 =
+                            (0..d).map(|c| (exact[at + c] as f64 - sparse[at + c] as f64).powi(2)).sum();
+                        diff += row_diff;
+                        norm += (0..d).map(|c| (exact[at + c] as f64).powi(2)).sum::<f64>();
+                        row_error += row_diff.sqrt();
+                    }
+                }
+                ((diff / norm.max(1e-300)).sqrt(), row_error / (n * group) as f64, masses[h])
+            })
+            .collect())
+    }
+
+    /// Per KV head, the mean over the audit rows (and the head's query heads)
+    /// of the attention mass `index` keeps; all kept without one.
+    fn true_masses(
+        &self,
+        ctx: &GpuContext,
+        shape: &AttentionShape,
+        [q16, keys]: [&Buffer; 2],
+        index: Option<&super::GpuIndex>,
+    ) -> Result<Vec<f64>, GpuError> {
+        let (hq, hk) = (shape.n_head as usize, shape.n_kv_head as usize);
+        let count = AUDIT_ROWS.min(shape.n);
+        let rows: Vec<u32> = (0..count)
+            .map(|i| shape.pos0 + ((2 * i + 1) as u64 * shape.n as u64 / (2 * count as u64)) as u32)
+            .collect();
+        let rows_buffer = ctx.upload("audit rows", &rows)?;
+        let all_buffer = ctx.storage::<[f32; 2]>("audit stats", rows.len() * hq)?;
+        let kept_buffer = ctx.storage::<[f32; 2]>("audit sparse stats", rows.len() * hq)?;
+        let mut batch = ctx.batch();
+        let r = (&rows_buffer, count);
+        self.probe.row_stats(&mut batch, ctx, shape, r, q16, keys, &all_buffer, None)?;
+        let buffers = index.map(|i| i.buffers());
+        self.probe.row_stats(&mut batch, ctx, shape, r, q16, keys, &kept_buffer, buffers.as_ref())?;
+        batch.submit();
+        let all: Vec<[f32; 2]> = ctx.read(&all_buffer, 0, rows.len() * hq)?;
+        let kept_stats: Vec<[f32; 2]> = ctx.read(&kept_buffer, 0, rows.len() * hq)?;
+        for b in [rows_buffer, all_buffer, kept_buffer] {
+            ctx.recycle(b);
+        }
+        let group = hq / hk;
+        Ok((0..hk)
+            .map(|h| {
+                let mut sum = 0.0;
+                for r in 0..rows.len() {
+                    for g in 0..group {
+                        let ([m, l], [ms, ls]) = (all[r * hq + h * group + g], kept_stats[r * hq + h * group + g]);
+                        sum += (ls as f64 / l as f64) * ((ms - m) as f64).exp();
+                    }
+                }
+                sum / (rows.len() * group) as f64
+            })
+            .collect())
+    }
+
+    /// Records m̂ − m for every sparse candidate of the library and KV head of this call.
+    #[allow(clippy::too_many_arguments)]
+    fn calibrate(
+        &self,
+        ctx: &GpuContext,
+        shape: &AttentionShape,
+        qk: [&Buffer; 2],
+        probe: &super::probe::Probe,
+        rows: &ProbeRows,
+        qb0: usize,
+    ) -> Result<(), GpuError> {
+        let hk = shape.n_kv_head as usize;
+        let mut residuals = Vec::new();
+        for c in Candidate::library().iter().filter(|c| c.pattern != Pattern::Dense) {
+            let masks: Vec<Mask> = (0..hk).map(|h| c.mask(probe, h, qb0)).collect();
+            let refs: Vec<&Mask> = masks.iter().collect();
+            let index = SparseIndex::new(&refs, shape.kv_len()).upload(ctx)?;
+            let truth = self.true_masses(ctx, shape, qk, Some(&index))?;
+            index.recycle(ctx);
+            for (h, mask) in masks.iter().enumerate() {
+                residuals.push(estimate(mask, probe, rows, h).mass - truth[h]);
+            }
+        }
+        self.residuals.lock().unwrap_or_else(|p| p.into_inner()).extend(residuals);
+        Ok(())
+    }
+}
+
+/// The budget a fixed pattern runs at: MInference's defaults (A-shape 128 +
+/// 3968 keys, vertical-slash 1000 columns and 6096 diagonals, block-sparse 100
+/// blocks).
+pub fn fixed_budget(pattern: Pattern) -> Candidate {
+    let budget = match pattern {
+        Pattern::Dense => [0, 0],
+        Pattern::AShape => [2, 62],
+        Pattern::VerticalSlash => [1000, 6096],
+        Pattern::BlockSparse => [100, 0],
+    };
+    Candidate { pattern, budget }
+}

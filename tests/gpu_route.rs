@@ -1,0 +1,432 @@
+//! RouteSparse against references: the sparse attention kernel, for every
+//! pattern of the library and for KV heads with different patterns in one
+//! dispatch, against softmax attention in f64 over exactly the keys the index
+//! lists (causal within them); a routed prefill of the default model against
+//! the dense one; and (ignored, for a real GPU) a needle in a 30K-token book.
+//!
+//! On lavapipe (CI) only the tiled path runs; sizes stay far below Debian 12
+//! lavapipe's cap of 65,535 loop iterations per invocation.
+
+mod common;
+
+use half::f16;
+use sift::engine::Session;
+use sift::gguf::GgufFile;
+use sift::gpu::attention::{Attention, AttentionShape};
+use sift::gpu::prefill::GpuPrefill;
+use sift::gpu::route::calibration::CalibrationFile;
+use sift::gpu::route::profile::{Entry, LatencyProfile, ProbeEntry};
+use sift::gpu::route::{Candidate, Mask, Pattern, RouteSettings, SparseIndex};
+use sift::gpu::{GpuContext, KernelPath};
+use sift::kv::Storage;
+use sift::model::Model;
+
+struct Noise(common::Rng);
+
+impl Noise {
+    fn f16s(&mut self, len: usize, scale: f32) -> Vec<f16> {
+        (0..len).map(|_| f16::from_f32(((self.0.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale)).collect()
+    }
+}
+
+fn paths(ctx: &GpuContext, test: &str) -> Vec<KernelPath> {
+    [KernelPath::CooperativeMatrix, KernelPath::Tiled]
+        .into_iter()
+        .filter(|path| match path.available(ctx) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("SKIPPED {test} on the {} path: {e}", path.name());
+                false
+            }
+        })
+        .collect()
+}
+
+struct Case {
+    n: u32,
+    pos0: u32,
+    n_head: u32,
+    n_kv_head: u32,
+    d: u32,
+}
+
+/// Softmax attention in f64 over the keys `index` lets query t of each head see.
+fn masked_reference(q: &[f16], k: &[f16], v: &[f16], c: &Case, index: &SparseIndex, scale: f64) -> Vec<f64> {
+    let (hq, hk, d) = (c.n_head as usize, c.n_kv_head as usize, c.d as usize);
+    let mut out = vec![0.0; c.n as usize * hq * d];
+    for i in 0..c.n as usize {
+        let t = c.pos0 as usize + i;
+        for h in 0..hq {
+            let kvh = h / (hq / hk);
+            let keys: Vec<usize> = (0..=t).filter(|&j| index.sees(kvh as u32, t as u32, j as u32)).collect();
+            let qrow = &q[(i * hq + h) * d..][..d];
+            let scores: Vec<f64> = keys
+                .iter()
+                .map(|&j| {
+                    let krow = &k[(j * hk + kvh) * d..][..d];
+                    scale * qrow.iter().zip(krow).map(|(a, b)| a.to_f64() * b.to_f64()).sum::<f64>()
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = weights.iter().sum();
+            let o = &mut out[(i * hq + h) * d..][..d];
+            for (&j, w) in keys.iter().zip(&weights) {
+                for (o, x) in o.iter_mut().zip(&v[(j * hk + kvh) * d..][..d]) {
+                    *o += w / sum * x.to_f64();
+                }
+            }
+        }
+    }
+    out
+}
+
+fn relative_error(got: &[f32], want: &[f64]) -> f64 {
+    if got.iter().any(|g| !g.is_finite()) {
+        return f64::NAN;
+    }
+    let diff: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).powi(2)).sum();
+    let norm: f64 = want.iter().map(|w| w * w).sum();
+    (diff / norm).sqrt()
+}
+
+fn check(ctx: &GpuContext, path: KernelPath, c: &Case, masks: &[&Mask], noise: &mut Noise) {
+    let scale = 1.0 / (c.d as f32).sqrt();
+    let shape = AttentionShape { n: c.n, pos0: c.pos0, n_head: c.n_head, n_kv_head: c.n_kv_head, window: None, scale };
+    let attention = Attention::sparse(&ctx.device, path, c.d, c.n_head / c.n_kv_head).unwrap();
+    let index = SparseIndex::new(masks, shape.kv_len());
+    let d = c.d as usize;
+    let q_rows = attention.query_rows(&shape) as usize;
+    let k_rows = attention.key_rows(&shape) as usize;
+    // Larger scores than unit noise, so that which keys are left out matters.
+    let q = noise.f16s(q_rows * c.n_head as usize * d, 3.0);
+    let k = noise.f16s(k_rows * c.n_kv_head as usize * d, 3.0);
+    let v = noise.f16s(k_rows * c.n_kv_head as usize * d, 1.0);
+    let want = masked_reference(&q, &k, &v, c, &index, scale as f64);
+    let dense = Attention::new(&ctx.device, path, c.d, c.n_head / c.n_kv_head).unwrap();
+    let (qb, kb, vb) = (ctx.upload("q", &q).unwrap(), ctx.upload("k", &k).unwrap(), ctx.upload("v", &v).unwrap());
+    let ob = ctx.upload("o", &vec![f32::NAN; q_rows * c.n_head as usize * d]).unwrap();
+    let gpu_index = index.upload(ctx).unwrap();
+    let buffers = gpu_index.buffers();
+    let bind = attention.bind_sparse(&ctx.device, [&qb, &kb, &vb, &ob], &buffers);
+    let sizes = [qb.size(), kb.size(), vb.size(), ob.size()];
+    let mut batch = ctx.batch();
+    batch.record("sparse attention", |pass| attention.dispatch_sparse(pass, &bind, &shape, sizes, &buffers)).unwrap();
+    batch.submit();
+    let got: Vec<f32> = ctx.read(&ob, 0, want.len()).unwrap();
+    let err = relative_error(&got, &want);
+    // And the dense kernel on the same inputs, to show the masks matter.
+    let od = ctx.upload("o dense", &vec![f32::NAN; q_rows * c.n_head as usize * d]).unwrap();
+    let bind = dense.bind(&ctx.device, &qb, &kb, &vb, &od);
+    let mut batch = ctx.batch();
+    batch.record("attention", |pass| dense.dispatch(pass, &bind, &shape, sizes)).unwrap();
+    batch.submit();
+    let dense_out: Vec<f32> = ctx.read(&od, 0, want.len()).unwrap();
+    let dense_err = relative_error(&dense_out, &want);
+    let bound = match path {
+        KernelPath::CooperativeMatrix => 3e-3,
+        KernelPath::Tiled => 1e-5,
+    };
+    let names: Vec<&str> = masks.iter().map(|m| m.name()).collect();
+    let what =
+        format!("{names:?} n={} pos0={} heads {}/{} d={} on {}", c.n, c.pos0, c.n_head, c.n_kv_head, c.d, path.name());
+    eprintln!("{what}: relative error {err:.3e}, dense kernel's {dense_err:.3e}");
+    assert!(err < bound, "{what}: relative error {err:.3e} (bound {bound:e})");
+    let all_dense = masks.iter().all(|m| **m == Mask::Dense);
+    assert!(all_dense || dense_err > 10.0 * bound, "{what}: the mask changes nothing ({dense_err:.3e})");
+}
+
+#[test]
+fn each_pattern_kernel_equals_attention_over_its_mask() {
+    let Some(ctx) = common::gpu("each_pattern_kernel_equals_attention_over_its_mask") else { return };
+    let mut noise = Noise(common::Rng(0x5eed_0013));
+    let ashape = Mask::AShape { sink_blocks: 1, local_blocks: 2 };
+    let vslash = Mask::VerticalSlash { columns: vec![3, 70, 71, 150, 260, 333], diagonals: vec![0, 200] };
+    let blocks = Mask::BlockSparse { blocks: vec![vec![], vec![], vec![1], vec![1], vec![2], vec![3, 1]] };
+    let cases = [
+        Case { n: 300, pos0: 0, n_head: 4, n_kv_head: 2, d: 64 },
+        Case { n: 200, pos0: 0, n_head: 4, n_kv_head: 1, d: 256 },
+        Case { n: 150, pos0: 192, n_head: 2, n_kv_head: 2, d: 128 },
+    ];
+    for path in paths(ctx, "each_pattern_kernel_equals_attention_over_its_mask") {
+        for c in &cases {
+            for mask in [&ashape, &vslash, &blocks] {
+                let masks = vec![mask; c.n_kv_head as usize];
+                check(ctx, path, c, &masks, &mut noise);
+            }
+        }
+        // KV heads with different patterns share one dispatch.
+        let c = Case { n: 300, pos0: 0, n_head: 8, n_kv_head: 4, d: 64 };
+        check(ctx, path, &c, &[&vslash, &Mask::Dense, &ashape, &blocks], &mut noise);
+    }
+}
+
+/// A latency profile with made-up times at `tokens` positions: dense 1000 µs
+/// a KV head, the smallest budget of each sparse pattern 300 µs, the others
+/// no cheaper than dense.
+fn synthetic_profile(tokens: u32, n_head: u32, n_kv_head: u32, head_dim: u32) -> LatencyProfile {
+    let entries = Candidate::library()
+        .into_iter()
+        .map(|c| {
+            let cheapest = c.pattern.budgets().first() == Some(&c.budget) && c.pattern != Pattern::Dense;
+            Entry { pattern: c.pattern, budget: c.budget, tokens, us: if cheapest { 300.0 } else { 1000.0 } }
+        })
+        .collect();
+    LatencyProfile {
+        adapter: "synthetic".into(),
+        driver: String::new(),
+        path: String::new(),
+        head_dim,
+        n_head,
+        n_kv_head,
+        entries,
+        probe: vec![ProbeEntry { tokens, us: 0.0 }],
+    }
+}
+
+/// A text with structure for attention to find: sentences drawn from a small
+/// vocabulary, some of them repeated.
+fn text(words: usize) -> String {
+    let vocabulary = [
+        "the", "river", "ran", "past", "an", "old", "mill", "where", "Anna", "kept", "her", "books", "and", "a",
+        "lamp", "that", "burned", "all", "night", "while", "wind", "came", "down", "from", "hills", "of", "grey",
+        "stone", "she", "wrote", "letters", "to", "brother", "in", "town",
+    ];
+    let mut rng = common::Rng(0x5eed_0113);
+    let mut sentences: Vec<String> = Vec::new();
+    let mut out = String::new();
+    while out.split_whitespace().count() < words {
+        let sentence = match sentences.len() > 4 && rng.next().is_multiple_of(3) {
+            true => sentences[(rng.next() % sentences.len() as u64) as usize].clone(),
+            false => {
+                let len = 6 + (rng.next() % 10) as usize;
+                let words: Vec<&str> =
+                    (0..len).map(|_| vocabulary[(rng.next() % vocabulary.len() as u64) as usize]).collect();
+                let s = format!("{}.", words.join(" "));
+                sentences.push(s.clone());
+                s
+            }
+        };
+        out.push_str(&sentence);
+        out.push(' ');
+    }
+    out
+}
+
+#[test]
+fn routed_prefill_of_a_short_prompt_gives_logits_close_to_dense() {
+    let Some(gpu) = common::gpu("routed_prefill_of_a_short_prompt_gives_logits_close_to_dense") else { return };
+    let path = common::default_model();
+    let file = GgufFile::open(&path).unwrap();
+    let model = Model::load(&file).unwrap();
+    let tokenizer = common::gemma3_tokenizer();
+    // 8 query blocks: the smallest budgets (4 blocks) leave about half out.
+    let mut tokens = tokenizer.encode(&text(600), true, false).unwrap();
+    tokens.truncate(512);
+    let n = tokens.len();
+    assert!(n == 512, "{n} tokens");
+    let hp = &model.hp;
+    let logits = |prefill: &GpuPrefill| {
+        let mut session = Session::with_cache(&model, n + 1, 512, Storage::default());
+        session.set_prefill_backend(Box::new(prefill));
+        session.prefill(&tokens).unwrap().to_vec()
+    };
+    let dense = logits(&GpuPrefill::new(gpu, &model).unwrap());
+    // τ = 0: the router goes sparse wherever it saves time, so that the
+    // comparison is of sparse attention, not of a fallback.
+    let settings = RouteSettings { budget: 0.5, tau: 0.0, ..RouteSettings::default() };
+    let profile = synthetic_profile(n as u32, hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim_k as u32);
+    let routed_prefill = GpuPrefill::new(gpu, &model).unwrap().with_routing_profile(settings, Some(profile)).unwrap();
+    let routed = logits(&routed_prefill);
+    let report = routed_prefill.routed().unwrap().report.lock().unwrap().clone();
+    let global_layers = (0..hp.n_layer).filter(|&il| hp.window(il).is_none()).count();
+    assert_eq!(report.layers.len(), global_layers, "{report:?}");
+    for layer in &report.layers {
+        for h in &layer.heads {
+            eprintln!(
+                "layer {} kv head {}: {} {:?} density {:.3} m̂ {:.4}",
+                layer.layer, h.kv_head, h.pattern, h.budget, h.density, h.mass_estimate
+            );
+            assert_ne!(h.pattern, "dense", "the budget asks for a sparse pattern: {report:?}");
+            assert!(h.density < 0.8, "{report:?}");
+        }
+        assert!(layer.planned_us <= layer.budget_us.unwrap(), "{layer:?}");
+    }
+    let diff = dense.iter().zip(&routed).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let norm = dense.iter().map(|x| x * x).sum::<f32>().sqrt();
+    let l2 = dense.iter().zip(&routed).map(|(a, b)| (a - b).powi(2)).sum::<f32>().sqrt() / norm;
+    let top = |l: &[f32]| l.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0;
+    eprintln!("{n} tokens: routed logits differ from dense by {diff:.3} at most, {l2:.4} relative");
+    assert_eq!(top(&dense), top(&routed), "the most likely next token changed");
+    assert!(l2 < 0.05, "relative logit difference {l2}");
+}
+
+/// A number hidden at 10%, 50% and 90% depth of a 30K-token PG-19 text and
+/// asked for at the end: routed prefill answers it whenever dense prefill
+/// does. Needs a GPU fast enough for 30K-token prefills (not lavapipe) and
+/// `../shared`; profiles the adapter first when it has no profile.
+#[test]
+#[ignore]
+fn routed_prefill_finds_the_needle_whenever_dense_does() {
+    let Some(shared) = common::shared_dir("routed_prefill_finds_the_needle_whenever_dense_does") else { return };
+    let book = std::fs::read_to_string(shared.join("data/pg19/10762.txt")).unwrap();
+    // An existing SIFT_CACHE_DIR is taken to hold this adapter's profile (and
+    // the model's calibration); otherwise a fresh one is profiled.
+    let given = std::env::var_os("SIFT_CACHE_DIR").map(std::path::PathBuf::from);
+    let cache =
+        given.clone().unwrap_or_else(|| std::env::temp_dir().join(format!("sift-needle-{}", std::process::id())));
+    let sift = |args: &[&str], input: &[u8]| {
+        use std::io::Write;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(env!("CARGO_BIN_EXE_sift"))
+            .args(args)
+            .env("SIFT_CACHE_DIR", &cache)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        out
+    };
+    let model = common::default_model();
+    let model = model.to_str().unwrap();
+    if given.is_none() {
+        sift(&["gpu-profile", "-m", model, "--tokens", "32768", "--runs", "1"], b"");
+    }
+    let number = "48213";
+    let needle = format!(" The secret number of the lighthouse keeper is {number}. ");
+    let question = "\n\nQuestion: What is the secret number of the lighthouse keeper?\nAnswer: The secret number of the lighthouse keeper is";
+    // About 4.2 characters a token in this book: 30K tokens.
+    let body: String = book.chars().take(124_000).collect();
+    let mut failures = Vec::new();
+    for depth in [0.1, 0.5, 0.9] {
+        let at = body
+            .char_indices()
+            .map(|(i, _)| i)
+            .find(|&i| i >= (body.len() as f64 * depth) as usize && body[..i].ends_with(". "))
+            .unwrap();
+        let prompt = format!("{}{needle}{}{question}", &body[..at], &body[at..]);
+        let answer = |attn: &str| {
+            let args = [
+                "run",
+                "-m",
+                model,
+                "--gpu",
+                "on",
+                "--prefill-attn",
+                attn,
+                "-c",
+                "32768",
+                "-n",
+                "8",
+                "--temp",
+                "0",
+                "--json",
+            ];
+            let out = sift(&args, prompt.as_bytes());
+            let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            (json["text"].as_str().unwrap().to_string(), json["prompt_tokens"].as_u64().unwrap())
+        };
+        let (dense, tokens) = answer("dense");
+        let (routed, _) = answer("routed");
+        eprintln!("depth {depth}: {tokens} tokens; dense {dense:?}, routed {routed:?}");
+        if dense.contains(number) && !routed.contains(number) {
+            failures.push(depth);
+        }
+    }
+    if given.is_none() {
+        let _ = std::fs::remove_dir_all(&cache);
+    }
+    assert!(failures.is_empty(), "routed missed the needle that dense found at depths {failures:?}");
+}
+
+/// Teacher-forced perplexity of the 2048 tokens after a 30,720-token prefix
+/// prefilled on the GPU, dense against routed (audited), on two PG-19 books
+/// (10321 and 10762; calibrate δ on the other two). The prefix goes to the
+/// GPU, the scored tokens through the CPU's batched forward pass over the
+/// cache the prefill left. Routed must stay within 0.5% of dense, and the
+/// certificate must cover at least 95% of the audited heads. Needs a GPU fast
+/// enough for 30K-token prefills, this adapter's latency profile (`sift
+/// gpu-profile`) and `../shared`.
+#[test]
+#[ignore]
+fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
+    let Some(shared) = common::shared_dir("routed_prefix_perplexity_is_within_half_a_percent_of_dense") else { return };
+    let Some(gpu) = common::gpu("routed_prefix_perplexity_is_within_half_a_percent_of_dense") else { return };
+    let path = common::default_model();
+    let file = GgufFile::open(&path).unwrap();
+    let model = Model::load(&file).unwrap();
+    let tokenizer = common::gemma3_tokenizer();
+    let (prefix, scored) = (30_720, 2048);
+    let dense = GpuPrefill::new(gpu, &model).unwrap();
+    let settings = RouteSettings { audit: true, ..RouteSettings::default() };
+    let settings = match CalibrationFile::load(&CalibrationFile::file(&model.hp)) {
+        Ok(c) => RouteSettings { delta: c.delta, ..settings },
+        Err(e) => {
+            eprintln!("no calibration ({e}): delta {}", settings.delta);
+            settings
+        }
+    };
+    let routed = GpuPrefill::new(gpu, &model).unwrap().with_routing(settings).unwrap();
+    let mut head = sift::matmul::MatmulScratch::default();
+    let mut nll = |prefill: &GpuPrefill, tokens: &[u32]| -> f64 {
+        let mut session = Session::with_cache(&model, prefix + scored + 1, 512, Storage::default());
+        session.set_prefill_backend(Box::new(prefill));
+        session.prefill(&tokens[..prefix]).unwrap();
+        let n_vocab = model.hp.n_vocab;
+        let mut logits = vec![0.0f32; n_vocab];
+        let mut sum = 0.0;
+        // Position k predicts token k + 1: the scored tokens are prefix + 1 ..= prefix + scored.
+        for start in (prefix..prefix + scored).step_by(512) {
+            let hidden = session.evaluate_all(&tokens[start..start + 512]).unwrap().to_vec();
+            for (i, h) in hidden.chunks_exact(model.hp.n_embd).enumerate() {
+                model.logits(h, &mut logits, &mut head);
+                let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+                let lse = max + logits.iter().map(|&l| (l as f64 - max).exp()).sum::<f64>().ln();
+                sum += lse - logits[tokens[start + i + 1] as usize] as f64;
+            }
+        }
+        sum / scored as f64
+    };
+    let (mut audited, mut covered, mut heads, mut fallbacks) = (0, 0, 0, 0);
+    for book in ["10321", "10762"] {
+        let text = std::fs::read_to_string(shared.join(format!("data/pg19/{book}.txt"))).unwrap();
+        let tokens = tokenizer.encode(&text, true, false).unwrap();
+        assert!(tokens.len() > prefix + scored + 1);
+        let dense_ppl = nll(&dense, &tokens).exp();
+        let routed_ppl = nll(&routed, &tokens).exp();
+        let report = routed.routed().unwrap().report.lock().unwrap().clone();
+        for layer in &report.layers {
+            for h in &layer.heads {
+                eprintln!(
+                    "{book} layer {} kv head {}: {} {:?} density {:.3} m̂ {:.4} m̲ {:.4} fallback {} {:?}",
+                    layer.layer,
+                    h.kv_head,
+                    h.pattern,
+                    h.budget,
+                    h.density,
+                    h.mass_estimate,
+                    h.mass_lower,
+                    h.fallback,
+                    h.audit
+                );
+            }
+        }
+        let s = &report.summary;
+        (audited, covered, heads, fallbacks) =
+            (audited + s.audited, covered + s.covered, heads + s.heads, fallbacks + s.fallbacks);
+        let change = routed_ppl / dense_ppl - 1.0;
+        eprintln!(
+            "{book}: PPL of {scored} tokens after {prefix}: dense {dense_ppl:.4}, routed {routed_ppl:.4} ({:+.3}%); attention {:.1} ms routed (wall) against {:.1} ms dense (profile)",
+            100.0 * change,
+            report.timing.routed_wall_ms,
+            report.timing.dense_estimate_ms
+        );
+        assert!(change.abs() <= 0.005, "{book}: routed PPL {routed_ppl} against dense {dense_ppl}");
+    }
+    eprintln!("fallback rate {fallbacks}/{heads}; certificate coverage {covered}/{audited}");
+    assert!(covered as f64 >= 0.95 * audited as f64, "coverage {covered}/{audited}");
+}
