@@ -82,7 +82,7 @@ fn default_model_greedy_after_gpu_prefill_equals_cpu() {
         "default_model_greedy_after_gpu_prefill_equals_cpu",
         &common::default_model(),
         &shared.join("anchors/reference/gemma3-270m-greedy.json"),
-        &[KvMode::F16, KvMode::Q4],
+        &[KvMode::F16],
         2.0,
     );
 }
