@@ -144,3 +144,43 @@ fn candidate_bounds_hold_every_exact_score() {
         }
     }
 }
+
+/// A page refined whole, as the scan does when most pages would be refined
+/// anyway, gives every key the bounds of the scan and of the refinement of
+/// listed rows, bit for bit, for every query head at once: the scan that
+/// refines as it goes decides nothing differently.
+#[test]
+fn a_page_refined_whole_bounds_as_the_scan_and_the_listed_refinement() {
+    use sift::kv::{Bounds, ScanQuery, PAGE};
+    let bits = |b: &[Bounds]| b.iter().map(|b| (b.lower.to_bits(), b.upper.to_bits())).collect::<Vec<_>>();
+    for mode in [KvMode::F16, KvMode::Q8, KvMode::Q4, KvMode::Q2] {
+        let mut cache = SyntheticCache::new(SyntheticShape { len: 1500, ..SHAPE }, storage(mode), 7);
+        let queries = cache.queries();
+        let all: Vec<u32> = (0..PAGE as u32).collect();
+        let mut pages = 0;
+        for kv_head in 0..SHAPE.n_kv_head {
+            let group = &queries[kv_head * SHAPE.n_gqa * SHAPE.dim..][..SHAPE.n_gqa * SHAPE.dim];
+            for page in 0..1500 / PAGE {
+                let Some(sketch) = cache.layer.sketch(kv_head, page) else { continue };
+                let prepared: Vec<ScanQuery> = group
+                    .chunks_exact(SHAPE.dim)
+                    .map(|q| {
+                        let mut prepared = ScanQuery::default();
+                        prepared.prepare(sketch, q);
+                        prepared
+                    })
+                    .collect();
+                let len = SHAPE.n_gqa * PAGE;
+                let (mut scanned, mut listed) = (vec![Bounds::default(); len], vec![Bounds::default(); len]);
+                sketch.scan_heads(&prepared, &mut scanned);
+                sketch.refine_heads(&prepared, &all, &mut Vec::new(), &mut listed);
+                let (mut whole, mut whole_scanned) = (vec![Bounds::default(); len], vec![Bounds::default(); len]);
+                sketch.refine_page_heads(&prepared, &mut Vec::new(), &mut whole, &mut whole_scanned);
+                assert_eq!(bits(&whole_scanned), bits(&scanned), "{mode} head {kv_head} page {page}: scanned");
+                assert_eq!(bits(&whole), bits(&listed), "{mode} head {kv_head} page {page}: refined");
+                pages += 1;
+            }
+        }
+        assert!(pages >= SHAPE.n_kv_head * 20, "{mode}: {pages} sketched pages checked");
+    }
+}

@@ -230,8 +230,10 @@ const PREFETCH_STRIDE: usize = 64;
 /// hardware prefetchers stop at each 4 KiB page, so a stream of rows from
 /// memory would otherwise wait on most of them. Into the L2, not the L1: the
 /// weighted sums keep a block of rows in the L1 while the next one arrives.
+/// (Rows read one by one at scattered places, as a sparse policy reads
+/// them, wait on every line without it.)
 #[inline(always)]
-fn prefetch<T>(x: &[T]) {
+pub fn prefetch<T>(x: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
         use core::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};

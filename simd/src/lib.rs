@@ -56,6 +56,7 @@ mod sketch;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub use attention::prefetch;
 pub use dispatch::{kernels, select_isa, CodeRows, Isa, Kernels, ParseIsaError, SelectIsaError};
 pub use sketch::{Bounds, PrepareScales, PrepareSums, SketchCodes, SketchLayout, SketchQuery};
 

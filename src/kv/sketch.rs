@@ -297,38 +297,52 @@ impl KeySketch {
     /// sketch keeps no more bits than it scans, these are the scan's bounds.
     pub fn refine_heads(&self, queries: &[ScanQuery], rows: &[u32], dots: &mut Vec<i32>, out: &mut [Bounds]) {
         let kernels = simd::kernels();
-        self.refine_with(queries, rows.len(), dots, out, |codes, weights, dots| {
+        self.refine_with(queries, rows.len(), dots, out, None, |codes, weights, dots| {
             kernels.sketch_dots_at(codes, weights, rows, dots)
         });
     }
 
     /// [`Self::refine_heads`] of every key of the page, `out[h·PAGE + i]`:
-    /// the rows read in order, as a scan reads them.
-    pub fn refine_page_heads(&self, queries: &[ScanQuery], dots: &mut Vec<i32>, out: &mut [Bounds]) {
+    /// the rows read in order, as a scan reads them. `scanned` gets the
+    /// scan's own bounds ([`Self::scan_heads`]'s, the same bits), which the
+    /// refinement computes on the way.
+    pub fn refine_page_heads(
+        &self,
+        queries: &[ScanQuery],
+        dots: &mut Vec<i32>,
+        out: &mut [Bounds],
+        scanned: &mut [Bounds],
+    ) {
         let kernels = simd::kernels();
-        self.refine_with(queries, PAGE, dots, out, |codes, weights, dots| kernels.sketch_dots(codes, weights, dots));
+        let dots_of =
+            |codes: &SketchCodes, weights: &[SketchQuery], dots: &mut [i32]| kernels.sketch_dots(codes, weights, dots);
+        self.refine_with(queries, PAGE, dots, out, Some(scanned), dots_of);
     }
 
     /// The refinement of `n` keys whose integer dots `dots_of(codes,
-    /// weights, out)` writes, weight set after weight set, `n` apiece.
+    /// weights, out)` writes, weight set after weight set, `n` apiece; the
+    /// scan's bounds of the same keys into `scanned`, if asked for.
     fn refine_with(
         &self,
         queries: &[ScanQuery],
         n: usize,
         dots: &mut Vec<i32>,
         out: &mut [Bounds],
+        mut scanned: Option<&mut [Bounds]>,
         dots_of: impl Fn(&SketchCodes, &[SketchQuery], &mut [i32]),
     ) {
         /// Queries refined together: their weights and residuals make one
         /// kernel call's sixteen weight sets at most.
         const GROUP: usize = 8;
         assert_eq!(out.len(), queries.len() * n, "a bound per query and row");
+        assert!(scanned.as_ref().is_none_or(|s| s.len() == out.len()), "a scanned bound per query and row");
         let coarse = self.scan_codes(0..PAGE);
         let fine = SketchCodes { layout: SketchLayout { dim: self.dim, bits: 4 }, codes: &self.fine };
         let empty = SketchQuery { weights: &[], beta: 0.0, lower: 0.0, upper: 0.0 };
         let mut views = [empty; 2 * GROUP];
-        for (queries, out) in queries.chunks(GROUP).zip(out.chunks_mut(GROUP * n)) {
+        for (chunk, (queries, out)) in queries.chunks(GROUP).zip(out.chunks_mut(GROUP * n)).enumerate() {
             let len = queries.len() * n;
+            let mut scanned = scanned.as_deref_mut().map(|s| &mut s[chunk * GROUP * n..][..len]);
             if !self.refines() {
                 for (view, query) in views.iter_mut().zip(queries) {
                     *view = query.view();
@@ -338,6 +352,9 @@ impl KeySketch {
                 dots_of(&coarse, &views[..queries.len()], dots);
                 for (k, o) in out.iter_mut().enumerate() {
                     *o = views[k / n].bounds(dots[k]);
+                }
+                if let Some(scanned) = scanned {
+                    scanned.copy_from_slice(out);
                 }
                 continue;
             }
@@ -356,9 +373,12 @@ impl KeySketch {
             let code_dot = |k: usize| 16 * i64::from(dots[k]) + i64::from(dots[2 * len + k]);
             for (k, o) in out.iter_mut().enumerate() {
                 let query = &queries[k / n];
-                let scanned = both[k / n].bounds(dots[k]);
+                let coarse = both[k / n].bounds(dots[k]);
                 let fine = query.fine.bounds(code_dot(k), code_dot(len + k));
-                *o = Bounds { lower: fine.lower.max(scanned.lower), upper: fine.upper.min(scanned.upper) };
+                *o = Bounds { lower: fine.lower.max(coarse.lower), upper: fine.upper.min(coarse.upper) };
+                if let Some(scanned) = scanned.as_deref_mut() {
+                    scanned[k] = coarse;
+                }
             }
         }
     }

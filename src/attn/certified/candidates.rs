@@ -19,6 +19,15 @@
 //! pool's pages, from the per-page maxima the cache keeps as it stores
 //! values: a deterministic bound, as the certificate needs.
 //!
+//! Refinement goes a page at a time: the first head that needs a key's 8-bit
+//! bound has its whole page refined for every head of the group, the rows
+//! read in order ([`KeySketch::refine_page_heads`]), and the refined upper
+//! bounds kept per page. Where most pages of a layer were refined ahead in
+//! its last call, the scan refines every page as it goes
+//! ([`GroupScan::scan_pages`]), reading its coarse codes once rather than
+//! twice; the largest lower bound, and so each head's shift, is the scan's
+//! either way.
+//!
 //! [`CacheHead`] is one query head's view for [`super::head::HeadAttention`]:
 //! the exact set is the sinks and the window, and exact scores and values
 //! are read from the cache as dense attention reads them: f16 rows, or the
@@ -29,14 +38,19 @@
 //! scores and the refinements: the first head that needs a key's score (or
 //! its 8-bit bound) reads the key once for every head of the group
 //! ([`GroupReads`]), as dense attention reads each key once for the group.
+//! The key rows a head scores at one level are asked of the caches first,
+//! then gathered end to end for one kernel call, and the values of the keys
+//! it scored are asked for too: these rows lie scattered over the cache,
+//! and read one by one each would wait on memory.
 //!
 //! # Bytes
 //!
 //! Each head counts what it reads: its share of the scan (the sketch's
 //! minima and steps and its coarse codes, split evenly among the group's
-//! heads, which read them once together), the bytes of the keys it read
-//! first for the group (the coarse and fine codes of a refinement, the
-//! key rows of an exact score), and its value bytes, as the cache holds
+//! heads, which read them once together, and likewise the pages refined
+//! ahead), the bytes of the keys it read first for the group (the coarse
+//! and fine codes of the pages it had refined, the key rows of an exact
+//! score), and its value bytes, as the cache holds
 //! them ([`HeadRows::key_bytes`], [`HeadRows::value_bytes`]), the exact
 //! set's included.
 
@@ -50,7 +64,7 @@ use super::perturb::Perturbations;
 use crate::attn::read::{self, HeadRows};
 use crate::attn::{LayerCall, Scorer, Split};
 use crate::kv::quant::{packed_len, Affine, Bits};
-use crate::kv::{Bounds, KeyCover, KvMode, PagedLayer, Rows, ScanQuery, PAGE};
+use crate::kv::{Bounds, KeyCover, KeySketch, KvMode, PagedLayer, Rows, ScanQuery, PAGE};
 
 /// The pool of one KV head at one decoding step, scanned for the query
 /// heads of its group.
@@ -90,6 +104,14 @@ impl GroupScan {
     /// Scans the pool `split.pool` of `kv_head` for the group's queries,
     /// with the pool's perturbations.
     pub fn scan(&mut self, call: &LayerCall, kv_head: usize, split: &Split, perturbations: &Perturbations) {
+        self.start(call, kv_head, split, perturbations);
+        self.scan_pages(call, kv_head, None);
+    }
+
+    /// Takes the call's queries, rounded to f16, and the pool's
+    /// perturbations, and forgets every bound: the exact set can be scored
+    /// from here on, the pool after [`Self::scan_pages`].
+    pub fn start(&mut self, call: &LayerCall, kv_head: usize, split: &Split, perturbations: &Perturbations) {
         let (batch, cache) = (call.batch, call.cache);
         let (n_gqa, dim) = (batch.n_gqa, batch.head_dim_k);
         self.queries.clear();
@@ -122,35 +144,77 @@ impl GroupScan {
         for page in first_page..first_page + pages {
             self.value_norm_max = self.value_norm_max.max(f64::from(cache.value_norm(kv_head, page)));
         }
-        let mut sketched = 0;
-        for cover in cache.key_cover(kv_head, split.pool.clone()) {
+    }
+
+    /// Scans the sketched pages of the pool. With `refine`, each page whose
+    /// sketch refines is refined as it is scanned (the group's `reads` keep
+    /// the refined bounds) and its keys get the refined bounds at once: one
+    /// pass over its coarse codes instead of two when most pages would be
+    /// refined anyway. The largest lower bound is the scan's in either case.
+    /// Returns the bytes the refinements read.
+    pub fn scan_pages(&mut self, call: &LayerCall, kv_head: usize, mut refine: Option<&mut GroupReads>) -> usize {
+        let cache = call.cache;
+        let (n_gqa, dim) = (self.n_gqa, call.batch.head_dim_k);
+        let (split_pool, pool) = (self.pool.clone(), self.pool.len());
+        if split_pool.is_empty() {
+            return 0;
+        }
+        let first_page = split_pool.start / PAGE;
+        let (mut sketched, mut bytes) = (0, 0);
+        for cover in cache.key_cover(kv_head, split_pool.clone()) {
             let KeyCover::Sketched { page, sketch, rows } = cover else { continue };
             if self.prepared.len() < (sketched + 1) * n_gqa {
                 self.prepared.resize_with((sketched + 1) * n_gqa, ScanQuery::default);
             }
-            let prepared = &mut self.prepared[sketched * n_gqa..][..n_gqa];
             self.pages[page - first_page] = Some(sketched);
             self.refines |= sketch.refines();
-            sketched += 1;
             sketch.affine_f32(&mut self.affine);
+            let prepared = &mut self.prepared[sketched * n_gqa..][..n_gqa];
             for (prepared, q) in prepared.iter_mut().zip(self.queries.chunks_exact(dim)) {
                 prepared.prepare_with(sketch, q, &self.affine);
             }
-            sketch.scan_heads(prepared, &mut self.page_bounds);
-            self.scanned_bytes += scan_bytes(cache.mode(), dim);
-            let first = page * PAGE + rows.start - split.pool.start;
+            sketched += 1;
+            let (uppers, lowers) = match refine.as_deref_mut() {
+                Some(reads) if sketch.refines() => {
+                    bytes += reads.refine_page_now(self, sketch, page);
+                    self.scanned_bytes += dim * std::mem::size_of::<Affine>();
+                    (&reads.refine_bounds, &reads.scanned_bounds)
+                }
+                _ => {
+                    sketch.scan_heads(&self.prepared[(sketched - 1) * n_gqa..][..n_gqa], &mut self.page_bounds);
+                    self.scanned_bytes += scan_bytes(cache.mode(), dim);
+                    (&self.page_bounds, &self.page_bounds)
+                }
+            };
+            let first = page * PAGE + rows.start - split_pool.start;
             let exponentials = &self.exponential_uppers[first..][..rows.len()];
             for h in 0..n_gqa {
-                let page_bounds = &self.page_bounds[h * PAGE..][rows.clone()];
+                let uppers = &uppers[h * PAGE..][rows.clone()];
                 let perturbed = &mut self.perturbed[h * pool + first..][..rows.len()];
-                let mut lower = f32::NEG_INFINITY;
-                for ((p, b), &e) in perturbed.iter_mut().zip(page_bounds).zip(exponentials) {
+                for ((p, b), &e) in perturbed.iter_mut().zip(uppers).zip(exponentials) {
                     *p = perturbed_upper(self.scorer.upper(b.upper), e);
-                    lower = lower.max(b.lower);
                 }
+                let lower = lowers[h * PAGE..][rows.clone()].iter().fold(f32::NEG_INFINITY, |m, b| m.max(b.lower));
                 self.lower_max[h] = self.lower_max[h].max(self.scorer.bounds(lower, lower).0);
             }
         }
+        bytes
+    }
+
+    /// The pages of the pool holding a key whose bound reaches
+    /// `thresholds[g]` for some head `g`.
+    pub fn pages_reaching<'s>(&'s self, thresholds: &'s [f32]) -> impl Iterator<Item = usize> + 's {
+        let pool = self.pool.clone();
+        (pool.start / PAGE..pool.end.div_ceil(PAGE)).filter(move |&page| {
+            let keys = self.page_keys(page);
+            (0..self.n_gqa).any(|g| self.perturbed_uppers(g)[keys.clone()].iter().any(|&p| p >= thresholds[g]))
+        })
+    }
+
+    /// The pool keys (numbered from the pool's first) of `page`.
+    fn page_keys(&self, page: usize) -> Range<usize> {
+        let pool = &self.pool;
+        (page * PAGE).max(pool.start) - pool.start..((page + 1) * PAGE).min(pool.end) - pool.start
     }
 
     /// Query head `g` of the group, rounded to f16.
@@ -230,11 +294,11 @@ pub struct GroupReads {
     refined: Memo<f32>,
     exponentials: Memo<f64>,
     dots: Vec<f32>,
-    /// The exact key rows to score, end to end, and their keys.
+    /// The exact key rows to score, end to end.
     gathered: Vec<f16>,
-    gathered_keys: Vec<usize>,
     refine_dots: Vec<i32>,
     refine_bounds: Vec<Bounds>,
+    scanned_bounds: Vec<Bounds>,
 }
 
 impl GroupReads {
@@ -250,16 +314,26 @@ impl GroupReads {
     /// Refines every row of `page`, unless done, for every head of the
     /// group in one pass over its codes; returns the bytes read.
     fn refine_page(&mut self, scan: &GroupScan, rows: HeadRows, page: usize) -> usize {
-        let slot = page - scan.pool.start / PAGE;
-        if self.refined.get(slot).is_some() {
+        if self.refined.get(page - scan.pool.start / PAGE).is_some() {
             return 0;
         }
-        let (Some(prepared), Some(sketch)) = (scan.prepared(page), rows.cache.sketch(rows.head, page)) else {
-            return 0;
-        };
+        match (scan.prepared(page), rows.cache.sketch(rows.head, page)) {
+            (Some(_), Some(sketch)) => self.refine_page_now(scan, sketch, page),
+            _ => 0,
+        }
+    }
+
+    /// Refines every row of `page`, whose sketch is `sketch` and whose
+    /// queries `scan` has prepared, for every head of the group: the bounds
+    /// into `refine_bounds`, the scan's own into `scanned_bounds`
+    /// (`[head][row]`), the refined upper bounds kept. Returns the bytes
+    /// read.
+    fn refine_page_now(&mut self, scan: &GroupScan, sketch: &KeySketch, page: usize) -> usize {
+        let prepared = scan.prepared(page).expect("a prepared page");
         self.refine_bounds.resize(scan.n_gqa * PAGE, Bounds::default());
-        sketch.refine_page_heads(prepared, &mut self.refine_dots, &mut self.refine_bounds);
-        for (upper, bounds) in self.refined.set(slot).iter_mut().zip(&self.refine_bounds) {
+        self.scanned_bounds.resize(scan.n_gqa * PAGE, Bounds::default());
+        sketch.refine_page_heads(prepared, &mut self.refine_dots, &mut self.refine_bounds, &mut self.scanned_bounds);
+        for (upper, bounds) in self.refined.set(page - scan.pool.start / PAGE).iter_mut().zip(&self.refine_bounds) {
             *upper = scan.scorer.upper(bounds.upper);
         }
         PAGE * sketch.refinement_bytes()
@@ -277,34 +351,29 @@ impl GroupReads {
     /// reaches `thresholds[g]` for some head `g` of the group, and tightens
     /// the scan's bounds with the refined ones: the keys the levels down to
     /// the thresholds will want refined, a page per kernel call rather than
-    /// a call per page, head and level. Returns the bytes read.
-    pub fn refine_ahead(&mut self, scan: &mut GroupScan, rows: HeadRows, thresholds: &[f32]) -> usize {
-        let (n, pool) = (scan.n_gqa, scan.pool.clone());
-        if !scan.refines || pool.is_empty() {
-            return 0;
+    /// a call per page, head and level. Returns the bytes read and the
+    /// pages refined.
+    pub fn refine_ahead(&mut self, scan: &mut GroupScan, rows: HeadRows, thresholds: &[f32]) -> (usize, usize) {
+        if !scan.refines || scan.pool.is_empty() {
+            return (0, 0);
         }
+        let wanted: Vec<usize> = scan.pages_reaching(thresholds).collect();
         let mut bytes = 0;
-        for page in pool.start / PAGE..pool.end.div_ceil(PAGE) {
-            let keys = (page * PAGE).max(pool.start) - pool.start..((page + 1) * PAGE).min(pool.end) - pool.start;
-            let wanted = (0..n).any(|g| {
-                let perturbed = &scan.perturbed[g * pool.len()..][keys.clone()];
-                perturbed.iter().any(|&p| p >= thresholds[g])
-            });
-            if !wanted {
-                continue;
-            }
+        for &page in &wanted {
             bytes += self.refine_page(scan, rows, page);
-            let Some(refined) = self.refined.get(page - pool.start / PAGE) else { continue };
-            let first_row = (pool.start + keys.start) % PAGE;
+            let Some(refined) = self.refined.get(page - scan.pool.start / PAGE) else { continue };
+            let keys = scan.page_keys(page);
+            let first_row = (scan.pool.start + keys.start) % PAGE;
+            let pool = scan.pool.len();
             for (g, refined) in refined.chunks_exact(PAGE).enumerate() {
-                let perturbed = &mut scan.perturbed[g * pool.len()..][keys.clone()];
+                let perturbed = &mut scan.perturbed[g * pool..][keys.clone()];
                 let exponentials = &scan.exponential_uppers[keys.clone()];
                 for ((p, &upper), &e) in perturbed.iter_mut().zip(&refined[first_row..]).zip(exponentials) {
                     *p = p.min(perturbed_upper(upper, e));
                 }
             }
         }
-        bytes
+        (bytes, wanted.len())
     }
 
     /// The largest of query head `g`'s exact-set scores, once read.
@@ -340,6 +409,8 @@ pub struct CacheHead<'a> {
     scan: &'a GroupScan,
     g: usize,
     reads: &'a mut GroupReads,
+    /// The keys to score and their exact rows.
+    pending: Vec<(usize, &'a [f16])>,
     pub bytes: HeadBytes,
 }
 
@@ -355,7 +426,7 @@ impl<'a> CacheHead<'a> {
         reads: &'a mut GroupReads,
     ) -> Self {
         let rows = HeadRows::new(call, kv_head);
-        Self { rows, split, scan, g, reads, bytes: HeadBytes::default() }
+        Self { rows, split, scan, g, reads, pending: Vec::new(), bytes: HeadBytes::default() }
     }
 
     fn cache(&self) -> &'a PagedLayer {
@@ -375,12 +446,12 @@ impl<'a> CacheHead<'a> {
     /// Reads those of `keys` (numbered as in [`GroupReads`]) at
     /// `position(key)` that no head has read yet, and scores them for every
     /// head of the group: exact rows gathered end to end for one kernel
-    /// call, coded rows in place; counts their bytes here.
+    /// call (all of them asked of the caches first: they lie scattered),
+    /// coded rows in place; counts their bytes here.
     fn read_scores(&mut self, keys: impl Iterator<Item = usize>, position: impl Fn(usize) -> usize) {
         let (n, dim, kernels) = (self.scan.n_gqa, self.rows.dim_k, simd::kernels());
         let reads = &mut *self.reads;
-        reads.gathered.clear();
-        reads.gathered_keys.clear();
+        self.pending.clear();
         for key in keys {
             if reads.scores.get(key).is_some() {
                 continue;
@@ -388,8 +459,8 @@ impl<'a> CacheHead<'a> {
             let pos = position(key);
             match self.rows.cache.key_rows(self.rows.head, pos..pos + 1).next().expect("one row") {
                 Rows::Exact(row) => {
-                    reads.gathered.extend_from_slice(row);
-                    reads.gathered_keys.push(key);
+                    simd::prefetch(row);
+                    self.pending.push((key, row));
                     self.bytes.keys += std::mem::size_of_val(row);
                 }
                 Rows::Coded(sketch, rows) => {
@@ -404,16 +475,32 @@ impl<'a> CacheHead<'a> {
                 }
             }
         }
-        let m = reads.gathered_keys.len();
+        let m = self.pending.len();
         if m == 0 {
             return;
         }
+        reads.gathered.clear();
+        for (_, row) in &self.pending {
+            reads.gathered.extend_from_slice(row);
+        }
         reads.dots.resize(n * m, 0.0);
         kernels.scores_f16(dim, &self.scan.queries, &reads.gathered, &mut reads.dots, m);
-        for (j, &key) in reads.gathered_keys.iter().enumerate() {
+        for (j, &(key, _)) in self.pending.iter().enumerate() {
             let scorer = self.scan.scorer;
             for (h, score) in reads.scores.set(key).iter_mut().enumerate() {
                 *score = scorer.score(reads.dots[h * m + j]);
+            }
+        }
+    }
+
+    /// Asks the caches for the values of the pool keys `indices`, which are
+    /// read soon (most keys scored enter the sample).
+    fn prefetch_values(&self, indices: &[u32]) {
+        let start = self.split.pool.start;
+        for &i in indices {
+            let pos = start + i as usize;
+            if let Some(Rows::Exact(row)) = self.cache().value_rows(self.rows.head, pos..pos + 1).next() {
+                simd::prefetch(row);
             }
         }
     }
@@ -508,6 +595,7 @@ impl HeadKeys for CacheHead<'_> {
     fn pool_scores(&mut self, indices: &[u32], out: &mut [f64]) {
         let (skip, start) = (self.exact_len(), self.split.pool.start);
         self.read_scores(indices.iter().map(|&i| skip + i as usize), |key| start + key - skip);
+        self.prefetch_values(indices);
         for (o, &i) in out.iter_mut().zip(indices) {
             *o = self.score(skip + i as usize);
         }

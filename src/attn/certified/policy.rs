@@ -24,6 +24,7 @@ use super::perturb::{PerturbationSeed, Perturbations};
 use crate::attn::dense::Dense;
 use crate::attn::read::HeadRows;
 use crate::attn::{worth_sparse, AttentionKind, AttentionPolicy, Certificate, Estimate, HeadRecord, LayerCall, Split};
+use crate::kv::PAGE;
 
 /// Certified sparse attention on decoding steps, dense elsewhere.
 pub struct CertifiedPolicy {
@@ -40,11 +41,21 @@ struct Group {
     scan: GroupScan,
     reads: GroupReads,
     records: Vec<HeadRecord>,
-    /// Per layer: the level down to which a call refines ahead, one below
-    /// the deepest level the group's heads stopped at in the layer's last
-    /// call (at first, the last level).
-    ahead: Vec<usize>,
+    /// Per layer: how the next call refines ahead.
+    ahead: Vec<Ahead>,
     thresholds: Vec<f32>,
+}
+
+/// How a layer's next call refines ahead of its levels.
+#[derive(Clone, Copy)]
+struct Ahead {
+    /// The level down to which it refines: one below the deepest level the
+    /// group's heads stopped at in the layer's last call (at first, the
+    /// last level).
+    level: usize,
+    /// Whether it refines every page as it scans it: half the pages or
+    /// more reached that level in the last call.
+    every_page: bool,
 }
 
 impl CertifiedPolicy {
@@ -74,12 +85,15 @@ impl Group {
         let split = Split::of(call.visible(0));
         self.records.clear();
         let perturbations = Perturbations::new(seed, call.layer, kv_head, call.step);
-        self.scan.scan(call, kv_head, &split, &perturbations);
+        self.scan.start(call, kv_head, &split, &perturbations);
         self.reads.reset(self.scan.keys(&split), split.pool.len(), n_gqa);
         // The exact set's scores give each head its shift, and with the
         // level reached last time, the keys worth refining in one pass.
         let grid = self.heads.params().grid;
-        self.ahead.resize(self.ahead.len().max(call.layer + 1), grid.last);
+        let layer = call.layer;
+        if self.ahead.len() <= layer {
+            self.ahead.resize(layer + 1, Ahead { level: grid.last, every_page: false });
+        }
         let mut shared = {
             let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, 0, &mut self.reads);
             if keys.exact_len() > 0 {
@@ -88,13 +102,26 @@ impl Group {
             keys.bytes.keys
         };
         let exact = split.sinks.len() + split.window.len();
-        let log_tau = grid.log_threshold(self.ahead[call.layer]);
+        let every_page = self.ahead[layer].every_page;
+        shared += self.scan.scan_pages(call, kv_head, every_page.then_some(&mut self.reads));
+        let log_tau = grid.log_threshold(self.ahead[layer].level);
         self.thresholds.clear();
         self.thresholds.extend((0..n_gqa).map(|g| {
             let c = self.reads.exact_max(g, exact).max(self.scan.lower_max(g));
             f32_down(c + log_tau - 1e-9 * (1.0 + c.abs()))
         }));
-        shared += self.reads.refine_ahead(&mut self.scan, HeadRows::new(call, kv_head), &self.thresholds);
+        // Where most pages are refined ahead, the next call refines every
+        // page as it scans it.
+        let reaching = if every_page {
+            self.scan.pages_reaching(&self.thresholds).count()
+        } else {
+            let (bytes, refined) =
+                self.reads.refine_ahead(&mut self.scan, HeadRows::new(call, kv_head), &self.thresholds);
+            shared += bytes;
+            refined
+        };
+        let pages = split.pool.end.div_ceil(PAGE) - split.pool.start / PAGE;
+        self.ahead[layer].every_page = 2 * reaching >= pages;
         let shared = (self.scan.scanned_bytes + shared) as f64 / n_gqa as f64;
         let mut deepest = 0;
         for (g, out) in out.chunks_exact_mut(dim_v).enumerate() {
@@ -106,7 +133,7 @@ impl Group {
             record.bytes_read += shared;
             self.records.push(record);
         }
-        self.ahead[call.layer] = (deepest + 1).min(grid.last);
+        self.ahead[layer].level = (deepest + 1).min(grid.last);
     }
 }
 
