@@ -90,6 +90,14 @@ pub struct KlReport {
     pub top1_agreement: f64,
     /// The base run's perplexity over the same tokens.
     pub base_ppl: f64,
+    /// `ln(PPL / base PPL)`: the mean over positions of how much more
+    /// negative log-likelihood this run gives the target than the base did.
+    pub log_ppl_ratio: f64,
+    /// The standard error of [`Self::log_ppl_ratio`] from the spread of the
+    /// per-position differences: a paired comparison, far tighter than the
+    /// two perplexities' own errors, and what says whether a gap is more
+    /// than the noise of the positions scored.
+    pub log_ppl_ratio_stderr: f64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -278,6 +286,9 @@ impl KlReport {
             return None;
         }
         let agree = scored.iter().filter(|s| s.kl.is_some_and(|(_, agree)| agree)).count();
+        let gaps: Vec<f64> =
+            scored.iter().zip(base).map(|(s, b)| f64::from(b.log_prob) - f64::from(s.log_prob)).collect();
+        let (log_ppl_ratio, log_ppl_ratio_stderr) = mean_and_stderr(&gaps);
         let mean = kl.iter().sum::<f64>() / kl.len() as f64;
         kl.sort_by(f64::total_cmp);
         let p99 = kl[((kl.len() - 1) as f64 * 0.99).round() as usize];
@@ -287,8 +298,22 @@ impl KlReport {
             kl_max: kl[kl.len() - 1],
             top1_agreement: agree as f64 / scored.len() as f64,
             base_ppl: PerplexityReport::of(base, 0).ppl,
+            log_ppl_ratio,
+            log_ppl_ratio_stderr,
         })
     }
+}
+
+/// The mean of `x` and its standard error (the sample standard deviation
+/// over `√n`); 0 for the error of fewer than two values.
+fn mean_and_stderr(x: &[f64]) -> (f64, f64) {
+    let n = x.len() as f64;
+    let mean = x.iter().sum::<f64>() / n;
+    if x.len() < 2 {
+        return (mean, 0.0);
+    }
+    let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    (mean, (var / n).sqrt())
 }
 
 /// `ln Σ exp(row)`, stable.
@@ -400,4 +425,25 @@ fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
 
 fn base_file_error(path: &Path, message: String) -> PerplexityError {
     PerplexityError::BaseFile { path: path.display().to_string(), message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scored(log_prob: f32) -> Scored {
+        Scored { target: 7, log_prob, top: vec![(7, log_prob)], kl: Some((0.0, true)) }
+    }
+
+    #[test]
+    fn the_paired_gap_is_the_log_of_the_perplexity_ratio() {
+        let base: Vec<Scored> = [-1.0, -2.0, -0.5, -3.0].map(scored).to_vec();
+        let run: Vec<Scored> = [-1.5, -2.0, -0.25, -3.5].map(scored).to_vec();
+        let report = KlReport::of(&run, &base).unwrap();
+        let ratio = PerplexityReport::of(&run, 1).ppl / PerplexityReport::of(&base, 1).ppl;
+        assert!((report.log_ppl_ratio - ratio.ln()).abs() < 1e-12, "{}", report.log_ppl_ratio);
+        // Gaps 0.5, 0, -0.25, 0.5: mean 0.1875, sample variance 0.140625.
+        let stderr = (0.140625f64 / 4.0).sqrt();
+        assert!((report.log_ppl_ratio_stderr - stderr).abs() < 1e-12, "{}", report.log_ppl_ratio_stderr);
+    }
 }

@@ -97,14 +97,14 @@ impl std::str::FromStr for ShadowSpec {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let usage = || format!("'{s}' is not certified:EPS:MEASURE or topk:PAGES");
+        let usage = || format!("'{s}' is not certified:EPS:MEASURE or topk:PAGES (EPS above 0, PAGES at least 1)");
         let parts: Vec<&str> = s.split(':').collect();
         match parts[..] {
             ["certified", epsilon, measure] => Ok(Self::Certified {
-                epsilon: epsilon.parse().map_err(|_| usage())?,
+                epsilon: epsilon.parse().ok().filter(|e: &f64| *e > 0.0 && e.is_finite()).ok_or_else(usage)?,
                 measure: measure.parse().map_err(|e: sift::attn::UnknownMeasure| e.to_string())?,
             }),
-            ["topk", pages] => Ok(Self::Topk { pages: pages.parse().map_err(|_| usage())? }),
+            ["topk", pages] => Ok(Self::Topk { pages: pages.parse().ok().filter(|&p| p > 0).ok_or_else(usage)? }),
             _ => Err(usage()),
         }
     }

@@ -297,7 +297,8 @@ fn print_text(overall: &PerplexityReport, kl: Option<&KlReport>, books: &[Book])
     }
     println!("PPL = {:.4} ± {:.5}", overall.ppl, overall.ppl_stderr);
     if let Some(k) = kl {
-        println!("base PPL = {:.4} ({:+.3}%)", k.base_ppl, (overall.ppl / k.base_ppl - 1.0) * 100.0);
+        let (gap, stderr) = (k.log_ppl_ratio.exp_m1() * 100.0, k.log_ppl_ratio_stderr * 100.0);
+        println!("base PPL = {:.4} ({gap:+.3}% ± {stderr:.3}%, paired)", k.base_ppl);
         println!("KL mean = {:.6}, p99 = {:.6}, max = {:.6}", k.kl_mean, k.kl_p99, k.kl_max);
         println!("top-1 agreement = {}", percent(k.top1_agreement));
     }
