@@ -864,6 +864,7 @@ impl<'a> Report<'a> {
                 .draw_series(LineSeries::new(points(t), style))?
                 .label(v.name)
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
+            chart.draw_series(points(t).into_iter().map(|p| Circle::new(p, 3, style)))?;
         }
         chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
         root.present()?;

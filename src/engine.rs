@@ -346,7 +346,7 @@ impl<'m> Session<'m> {
         threads::on_pool(|| {
             let attention = Attention { policy: &mut Dense, step: self.steps, records: &mut records };
             let mut cpu = CpuPrefill { model: self.model, scratch: &mut self.scratch, attention, batch: self.batch };
-            cpu.prefill(&tokens, pos0, &mut self.cache, Outputs::Last, &mut hidden)
+            cpu.prefill(&tokens, pos0, &mut self.cache, Outputs::CacheOnly, &mut hidden)
         })?;
         if let Some(before) = before {
             rectify::add_drift(&mut self.rectified.drift, &before, &read(&self.cache), keys_len);

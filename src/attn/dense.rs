@@ -41,6 +41,15 @@ use crate::kv::{PagedLayer, Rows, PAGE};
 /// when the batch has too few groups to keep every thread busy (decoding).
 const SPLIT_MIN: usize = 512;
 
+/// The most consecutive tokens whose groups attend together in a batch
+/// ([`attend_tile`]), reading each stretch of positions from memory once for
+/// all of them.
+const TILE_TOKENS: usize = 8;
+
+/// Positions a tile reads at a time: their keys (or values) stay in the core's
+/// caches while every group of the tile uses them.
+const TILE_CHUNK: usize = 4 * PAGE;
+
 /// Tokens from which a batch stages the coded pages it reads. Staging writes
 /// every coded row as f16 and reads it back, so it pays only when several
 /// queries share the rows; below this, each group reads the codes in place
@@ -78,6 +87,8 @@ struct Staged {
 // of finding this one borrowed.
 thread_local! {
     static GROUP: RefCell<GroupScratch> = RefCell::default();
+    /// A tile's groups' buffers.
+    static TILE: RefCell<Vec<GroupScratch>> = RefCell::default();
     static STAGED: RefCell<Staged> = RefCell::default();
     /// The batch's own keys and values.
     static OWN: RefCell<BatchRows> = RefCell::default();
@@ -136,9 +147,11 @@ fn record_dense(call: &LayerCall, records: &mut Vec<HeadRecord>) {
 /// head, softmax(score(q·K)) · V over the positions the cache shows it.
 ///
 /// The work goes by *group*: one token's query heads that share a KV head,
-/// which read each key and value once for all of them. Groups run in
-/// parallel; when there are fewer than threads and a group sees many
-/// positions, each group's positions are split among the threads instead.
+/// which read each key and value once for all of them. A batch's groups run
+/// in parallel by tiles of [`TILE_TOKENS`] consecutive tokens, whose groups of
+/// one KV head read the positions together ([`attend_tile`]); when there are
+/// fewer groups than threads and a group sees many positions (decoding),
+/// each group's positions are split among the threads instead.
 pub fn attend(batch: &AttentionBatch, cache: &PagedLayer, out: &mut [f32]) {
     let kernels = simd::kernels();
     with_taken(&OWN, |own| {
@@ -186,8 +199,18 @@ fn attend_with(kernels: &Kernels, batch: &AttentionBatch, cache: &PagedLayer, ow
                 with_taken(&GROUP, |scratch| group(i).attend(kernels, scratch, out, 2 * threads));
             }
         } else {
-            out.par_chunks_mut(group_len).enumerate().for_each(|(i, out)| {
-                with_taken(&GROUP, |scratch| group(i).attend(kernels, scratch, out, 1));
+            // Tiles enough for every thread.
+            let tile_tokens = TILE_TOKENS.min(own.n_tokens.div_ceil(threads)).max(1);
+            let tile_groups = tile_tokens * n_kv_head;
+            out.par_chunks_mut(tile_groups * group_len).enumerate().for_each(|(tile, out)| {
+                let first = tile * tile_groups;
+                with_taken(&TILE, |scratch| {
+                    for kv_head in 0..n_kv_head {
+                        let members = out.chunks_mut(group_len).enumerate().skip(kv_head).step_by(n_kv_head);
+                        let groups: Vec<_> = members.map(|(i, out)| (group(first + i), out)).collect();
+                        attend_tile(kernels, groups, scratch);
+                    }
+                });
             });
         }
     });
@@ -329,10 +352,16 @@ impl<'a> Group<'a> {
     /// `scores[h][j]`, the score of `q_h·k_j` ([`super::Scorer`]), for the
     /// keys at `positions`.
     fn score(&self, kernels: &Kernels, queries: &[f32], positions: Range<usize>, scores: &mut [f32]) {
-        let (dim, n) = (self.batch.head_dim_k, positions.len());
-        let keys = self.stretches(positions, dim, |p| p.0, PagedLayer::key_rows);
-        read::score(kernels, dim, queries, keys, scores, n);
+        let n = positions.len();
+        self.dots(kernels, queries, positions, scores, n);
         self.batch.scorer.score_all(scores);
+    }
+
+    /// `dots[h · stride + j] = q_h·k_j` for the keys at `positions`.
+    fn dots(&self, kernels: &Kernels, queries: &[f32], positions: Range<usize>, dots: &mut [f32], stride: usize) {
+        let dim = self.batch.head_dim_k;
+        let keys = self.stretches(positions, dim, |p| p.0, PagedLayer::key_rows);
+        read::score(kernels, dim, queries, keys, dots, stride);
     }
 
     /// Turns each head's scores into probabilities rounded to f16 (as ggml
@@ -354,10 +383,17 @@ impl<'a> Group<'a> {
 
     /// `sums[h] = Σ_j probs[h][j] · v_j` over the values at `positions`.
     fn weigh(&self, kernels: &Kernels, probs: &[f32], positions: Range<usize>, sums: &mut [f32]) {
-        let (dim, n) = (self.batch.head_dim_v, positions.len());
+        let n = positions.len();
         sums.fill(0.0);
+        self.add_weighted(kernels, probs, n, positions, sums);
+    }
+
+    /// `sums[h] += Σ_j probs[h · stride + j] · v_j` over the values at
+    /// `positions`, row after row.
+    fn add_weighted(&self, kernels: &Kernels, probs: &[f32], stride: usize, positions: Range<usize>, sums: &mut [f32]) {
+        let dim = self.batch.head_dim_v;
         let values = self.stretches(positions, dim, |p| p.1, PagedLayer::value_rows);
-        read::weigh(kernels, dim, probs, n, values, sums);
+        read::weigh(kernels, dim, probs, stride, values, sums);
     }
 
     /// The key (or value) rows at `positions` in order, as stretches: the
@@ -397,6 +433,57 @@ impl<'a> Group<'a> {
             }
         });
         cached.chain(std::iter::once(own))
+    }
+}
+
+/// The groups of one KV head for consecutive tokens of a batch, each with
+/// its output (`n_gqa` rows of `head_dim_v`), attending as
+/// [`Group::attend`] does in one piece, to the bit, but reading the
+/// positions [`TILE_CHUNK`] at a time for every group that sees them: the
+/// scores of each group's whole row first (each score its own sum), then
+/// each row's softmax, then the weighted values chunk after chunk, which
+/// adds every group's rows in position order. A batch's tokens see nearly
+/// the same positions, so a chunk's keys and values come from memory once
+/// per tile instead of once per token.
+fn attend_tile(kernels: &Kernels, mut groups: Vec<(Group, &mut [f32])>, scratch: &mut Vec<GroupScratch>) {
+    if scratch.len() < groups.len() {
+        scratch.resize_with(groups.len(), GroupScratch::default);
+    }
+    let (Some(start), Some(end)) =
+        (groups.iter().map(|(g, _)| g.visible.start).min(), groups.iter().map(|(g, _)| g.visible.end).max())
+    else {
+        return;
+    };
+    let chunks = || (start..end).step_by(TILE_CHUNK).map(move |c| c..end.min(c + TILE_CHUNK));
+    // The part of `chunk` that `group` sees, and where it lies in the group's row.
+    let within = |group: &Group, chunk: &Range<usize>| {
+        let seen = chunk.start.max(group.visible.start)..chunk.end.min(group.visible.end);
+        (!seen.is_empty()).then(|| (seen.start - group.visible.start, seen))
+    };
+    for ((group, _), s) in groups.iter().zip(scratch.iter_mut()) {
+        s.queries.clear();
+        s.queries.extend_from_slice(group.queries);
+        round_to_f16(&mut s.queries, &mut s.halves);
+        s.scores.resize(group.batch.n_gqa * group.visible.len(), 0.0);
+    }
+    for chunk in chunks() {
+        for ((group, _), s) in groups.iter().zip(scratch.iter_mut()) {
+            if let Some((col, seen)) = within(group, &chunk) {
+                group.dots(kernels, &s.queries, seen, &mut s.scores[col..], group.visible.len());
+            }
+        }
+    }
+    for ((group, out), s) in groups.iter_mut().zip(scratch.iter_mut()) {
+        group.batch.scorer.score_all(&mut s.scores);
+        group.softmax(kernels, s, group.visible.len());
+        out.fill(0.0);
+    }
+    for chunk in chunks() {
+        for ((group, out), s) in groups.iter_mut().zip(scratch.iter()) {
+            if let Some((col, seen)) = within(group, &chunk) {
+                group.add_weighted(kernels, &s.scores[col..], group.visible.len(), seen, out);
+            }
+        }
     }
 }
 

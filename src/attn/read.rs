@@ -195,6 +195,19 @@ pub fn attend_positions(
     rows.weigh(kernels, &s.scores, positions, out);
 }
 
+/// Appends to `chosen` the numbers of the `keep` (at most all) of `scored`'s
+/// `(score, number)` pairs with the largest scores, ties to the smaller
+/// number, in no particular order; `scored` is reordered. A sparse policy's
+/// choice of the pages or blocks it reads.
+pub fn choose_largest(scored: &mut [(f32, usize)], keep: usize, chosen: &mut Vec<usize>) {
+    let keep = keep.min(scored.len());
+    let by_score = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if keep > 0 && keep < scored.len() {
+        scored.select_nth_unstable_by(keep - 1, by_score);
+    }
+    chosen.extend(scored[..keep].iter().map(|&(_, number)| number));
+}
+
 /// The bytes of one stretch; `page_bytes` is a coded page's size.
 fn stretch_bytes<C>(rows: Rows<'_, C>, page_bytes: impl Fn(&C) -> usize) -> usize {
     match rows {
@@ -243,6 +256,19 @@ mod tests {
     fn pages_are_clipped_to_the_visible_positions_and_joined() {
         let ranges: Vec<_> = pages([0, 1, 3, 9], 10..200).collect();
         assert_eq!(ranges, vec![10..128, 192..200]);
+    }
+
+    #[test]
+    fn the_largest_scores_are_chosen_ties_to_the_smaller_number() {
+        let mut scored = vec![(1.0, 0), (3.0, 1), (2.0, 2), (3.0, 3), (2.0, 4), (0.5, 5)];
+        let mut chosen = vec![9];
+        choose_largest(&mut scored, 3, &mut chosen);
+        chosen[1..].sort_unstable();
+        assert_eq!(chosen, vec![9, 1, 2, 3]);
+        let mut all = Vec::new();
+        choose_largest(&mut scored, 10, &mut all);
+        all.sort_unstable();
+        assert_eq!(all, vec![0, 1, 2, 3, 4, 5]);
     }
 
     #[test]

@@ -146,13 +146,8 @@ impl Resa {
             let score = self.mean_query.iter().zip(min.iter().zip(max)).map(|(&q, (&lo, &hi))| (q * lo).max(q * hi));
             self.scores.push((score.sum(), block));
         }
-        let keep = self.params.budget(newest - first + 1).min(self.scores.len());
-        let by_score = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        if keep > 0 && keep < self.scores.len() {
-            self.scores.select_nth_unstable_by(keep - 1, by_score);
-        }
         self.chosen.clear();
-        self.chosen.extend(self.scores[..keep].iter().map(|&(_, block)| block));
+        read::choose_largest(&mut self.scores, self.params.budget(newest - first + 1), &mut self.chosen);
         self.chosen.push(newest);
         self.chosen.sort_unstable();
         self.scores.len()

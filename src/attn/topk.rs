@@ -109,12 +109,7 @@ impl Topk {
                 None => self.chosen.push(page),
             }
         }
-        let by_bound = |a: &(f32, usize), b: &(f32, usize)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
-        let keep = self.pages.min(self.bounds.len());
-        if keep > 0 && keep < self.bounds.len() {
-            self.bounds.select_nth_unstable_by(keep - 1, by_bound);
-        }
-        self.chosen.extend(self.bounds[..keep].iter().map(|&(_, page)| page));
+        read::choose_largest(&mut self.bounds, self.pages, &mut self.chosen);
         self.chosen.sort_unstable();
         self.bounds.len()
     }

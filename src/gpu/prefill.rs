@@ -365,7 +365,7 @@ impl<'m> GpuPrefill<'m> {
             let wanted = match outputs {
                 Outputs::All => 0..chunk_tokens.len(),
                 Outputs::Last if pos0 + chunk_tokens.len() == end => chunk_tokens.len() - 1..chunk_tokens.len(),
-                Outputs::Last => 0..0,
+                Outputs::Last | Outputs::CacheOnly => 0..0,
             };
             if !wanted.is_empty() {
                 let x: Vec<f32> =

@@ -46,6 +46,10 @@ pub enum Outputs {
     Last,
     /// Every token: perplexity.
     All,
+    /// None: the pass only fills the cache (a rectification rewrites what its
+    /// tokens left there), so the last layer stops once it has stored its
+    /// keys and values.
+    CacheOnly,
 }
 
 pub struct Model<'a> {
@@ -230,6 +234,9 @@ impl<'a> Model<'a> {
                     &s.v[t * kv_dim_v..(t + 1) * kv_dim_v],
                 );
             }
+            if outputs == Outputs::CacheOnly && il + 1 == hp.n_layer {
+                break;
+            }
             let batch = AttentionBatch {
                 queries: &s.q,
                 keys: &s.k,
@@ -273,6 +280,7 @@ impl<'a> Model<'a> {
         let rows = match outputs {
             Outputs::Last => &s.x[(n - 1) * hp.n_embd..],
             Outputs::All => &s.x[..],
+            Outputs::CacheOnly => &[],
         };
         s.hidden.resize(rows.len(), 0.0);
         blocks::rms_norm(rows, &self.w.output_norm, hp.rms_eps, &mut s.hidden);
