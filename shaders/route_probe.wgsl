@@ -15,7 +15,8 @@
 //   whole-row statistics: each key's probability summed over the recent rows
 //   (vertical-slash's column score), and per key block the same
 //   probabilities summed along each of the 127 diagonals that cross the
-//   block's 64 × 64 tile of (recent row, key) pairs.
+//   block's 64 × 64 tile of (recent row, key) pairs, into workgroup slots
+//   that the invocations add to row by row.
 // diagonals: an invocation per diagonal offset o = t − j adds up the (at most
 //   three) key blocks' sums for o: vertical-slash's diagonal score.
 // Scores are in f32 from f16 operands; probabilities of masked keys (j > t)
@@ -30,7 +31,8 @@ const PAIRS: u32 = 16u;
 @group(0) @binding(2) var<storage, read> q: array<vec4<f16>>;
 @group(0) @binding(3) var<storage, read> k: array<vec4<f16>>;
 
-var<workgroup> q_tile: array<vec4<f16>, PAIRS * MAX_QUADS>;
+// The staged queries, in f32 (converted once, not at every key).
+var<workgroup> q_tile: array<vec4<f32>, PAIRS * MAX_QUADS>;
 // Position of each staged pair's row (0 for pairs past the end).
 var<workgroup> pair_row: array<u32, PAIRS>;
 var<workgroup> last_row: u32;
@@ -42,50 +44,64 @@ fn stage(kv_head: u32, first: u32, pairs: u32, lid: u32) -> u32 {
     let quads = quads();
     for (var e = lid; e < PAIRS * quads; e += BLOCK) {
         let p = first + e / quads;
-        var x = vec4<f16>(0.0);
+        var x = vec4<f32>(0.0);
         if p < pairs {
             let t = rows[p / heads];
-            x = q[((t - params.pos0) * params.n_head + kv_head * heads + p % heads) * quads + e % quads];
+            x = vec4<f32>(q[((t - params.pos0) * params.n_head + kv_head * heads + p % heads) * quads + e % quads]);
         }
         q_tile[(e / quads) * MAX_QUADS + e % quads] = x;
     }
+    if lid < PAIRS {
+        var t = 0u;
+        if first + lid < pairs {
+            t = rows[(first + lid) / heads];
+        }
+        pair_row[lid] = t;
+    }
+    workgroupBarrier();
     if lid == 0u {
         var last = 0u;
         for (var i = 0u; i < PAIRS; i++) {
-            var t = 0u;
-            if first + i < pairs {
-                t = rows[(first + i) / heads];
-            }
-            pair_row[i] = t;
-            last = max(last, t);
+            last = max(last, pair_row[i]);
         }
         last_row = last;
     }
     return workgroupUniformLoad(&last_row);
 }
 
+// The dot products of key j with four staged pairs from p.
+fn dots(p: u32, i: u32, key: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(
+        dot(q_tile[p * MAX_QUADS + i], key),
+        dot(q_tile[(p + 1u) * MAX_QUADS + i], key),
+        dot(q_tile[(p + 2u) * MAX_QUADS + i], key),
+        dot(q_tile[(p + 3u) * MAX_QUADS + i], key),
+    );
+}
+
 // The scaled scores of key j against the staged pairs, NEG_BIG where the
-// pair's row does not see it.
-// (Four pairs to a vector: Debian 12's lavapipe counts loop iterations.)
+// pair's row does not see it (PAIRS = 16, four to a vector).
 fn scores(kv_head: u32, j: u32) -> array<f32, PAIRS> {
-    var dots: array<vec4<f32>, PAIRS / 4u>;
+    var d0 = vec4<f32>(0.0);
+    var d1 = vec4<f32>(0.0);
+    var d2 = vec4<f32>(0.0);
+    var d3 = vec4<f32>(0.0);
     if j < kv_len() {
         let k_at = (j * params.n_kv_head + kv_head) * quads();
         for (var i = 0u; i < quads(); i++) {
             let key = vec4<f32>(k[k_at + i]);
-            for (var p = 0u; p < PAIRS; p += 4u) {
-                dots[p / 4u] += vec4<f32>(
-                    dot(vec4<f32>(q_tile[p * MAX_QUADS + i]), key),
-                    dot(vec4<f32>(q_tile[(p + 1u) * MAX_QUADS + i]), key),
-                    dot(vec4<f32>(q_tile[(p + 2u) * MAX_QUADS + i]), key),
-                    dot(vec4<f32>(q_tile[(p + 3u) * MAX_QUADS + i]), key),
-                );
-            }
+            d0 += dots(0u, i, key);
+            d1 += dots(4u, i, key);
+            d2 += dots(8u, i, key);
+            d3 += dots(12u, i, key);
         }
     }
+    var all = array<f32, PAIRS>(
+        d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w, d2.x, d2.y, d2.z, d2.w, d3.x, d3.y, d3.z, d3.w,
+    );
     var s: array<f32, PAIRS>;
     for (var p = 0u; p < PAIRS; p++) {
-        s[p] = select(NEG_BIG, dots[p / 4u][p % 4u] * params.scale, j <= pair_row[p]);
+        s[p] = select(NEG_BIG, all[p] * params.scale, j <= pair_row[p]);
     }
     return s;
 }
@@ -224,8 +240,7 @@ fn block_mass(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation
 // t − j = kv_len − 1 − (first key) − s for the recent row i at t = kv_len − 1 − i.
 @group(0) @binding(6) var<storage, read_write> diagonal_parts: array<f32>;
 
-// [recent row][key of the block]: p(t_i, j), averaged over the query heads.
-var<workgroup> recent_p: array<f32, BLOCK * BLOCK>;
+var<workgroup> slots: array<f32, 2u * BLOCK>;
 
 @compute @workgroup_size(64)
 fn recent_lines(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -234,23 +249,30 @@ fn recent_lines(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocati
     let j = kb * BLOCK + lid;
     let heads = group_heads();
     let pairs = params.recent * heads;
-    for (var e = lid; e < BLOCK * BLOCK; e += BLOCK) {
-        recent_p[e] = 0.0;
-    }
+    slots[lid] = 0.0;
+    slots[lid + BLOCK] = 0.0;
     var column = 0.0;
+    // A pass holds PAIRS / heads whole rows (heads divides PAIRS).
     for (var first = 0u; first < pairs; first += PAIRS) {
         let last = stage(kv_head, first, pairs, lid);
         if kb * BLOCK <= last {
             let s = scores(kv_head, j);
-            for (var p = 0u; p < PAIRS; p++) {
-                let pair = first + p;
-                if pair < pairs && s[p] > NEG_BIG {
-                    let r = pair / heads;
-                    let row = recent_stats[r * params.n_head + kv_head * heads + pair % heads];
-                    let prob = exp(s[p] - row.x) / (row.y * f32(heads));
-                    column += prob;
-                    recent_p[r * BLOCK + lid] += prob;
+            for (var row = 0u; row < PAIRS / heads; row++) {
+                let r = first / heads + row;
+                var prob = 0.0;
+                for (var g = 0u; g < heads; g++) {
+                    let p = row * heads + g;
+                    if first + p < pairs && s[p] > NEG_BIG {
+                        let st = recent_stats[r * params.n_head + kv_head * heads + g];
+                        prob += exp(s[p] - st.x) / (st.y * f32(heads));
+                    }
                 }
+                column += prob;
+                // Lanes add to distinct slots; rows one after another.
+                if r < params.recent {
+                    slots[r + lid] += prob;
+                }
+                workgroupBarrier();
             }
         }
         workgroupBarrier();
@@ -258,15 +280,8 @@ fn recent_lines(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocati
     if j < kv_len() {
         column_out[kv_head * kv_len() + j] = column;
     }
-    workgroupBarrier();
     for (var slot = lid; slot < 2u * BLOCK; slot += BLOCK) {
-        var sum = 0.0;
-        let first_row = max(slot, BLOCK - 1u) - (BLOCK - 1u);
-        let last_row = min(slot + 1u, params.recent);
-        for (var i = first_row; i < last_row; i++) {
-            sum += recent_p[i * BLOCK + slot - i];
-        }
-        diagonal_parts[(kv_head * key_blocks() + kb) * 2u * BLOCK + slot] = sum;
+        diagonal_parts[(kv_head * key_blocks() + kb) * 2u * BLOCK + slot] = slots[slot];
     }
 }
 

@@ -139,13 +139,22 @@ impl HeadLines {
 /// The indices of the `k` largest of `scores` (all of them when fewer), best
 /// first, ties by index.
 fn ranked(scores: &[f32], k: usize) -> Vec<u32> {
-    let better = |a: &u32, b: &u32| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b));
-    let mut order: Vec<u32> = (0..scores.len() as u32).collect();
-    if k < order.len() {
-        order.select_nth_unstable_by(k, better);
-        order.truncate(k);
-    }
-    order.sort_unstable_by(better);
+    let all = 0..scores.len() as u32;
+    let mut order: Vec<u32> = match k < scores.len() {
+        // The k-th largest value first, on the values themselves; then the
+        // positions above it, and as many equal to it as there is room for.
+        true if k > 0 => {
+            let mut values = scores.to_vec();
+            let kth = *values.select_nth_unstable_by(scores.len() - k, f32::total_cmp).1;
+            let mut order: Vec<u32> = all.clone().filter(|&i| scores[i as usize].total_cmp(&kth).is_gt()).collect();
+            let room = k - order.len();
+            order.extend(all.filter(|&i| scores[i as usize].total_cmp(&kth).is_eq()).take(room));
+            order
+        }
+        true => Vec::new(),
+        false => all.collect(),
+    };
+    order.sort_unstable_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
     order
 }
 
@@ -207,6 +216,8 @@ mod tests {
         assert_eq!(ranked(&[0.1, 0.5, 0.3, 0.9], 2), vec![3, 1]);
         assert_eq!(ranked(&[0.2, 0.5, 0.2], 5), vec![1, 0, 2]);
         assert_eq!(ranked(&[1.0], 5), vec![0]);
+        assert_eq!(ranked(&[0.3, 0.7, 0.3, 0.3], 3), vec![1, 0, 2]);
+        assert_eq!(ranked(&[0.3, 0.7], 0), Vec::<u32>::new());
     }
 
     #[test]
