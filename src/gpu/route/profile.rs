@@ -106,11 +106,12 @@ impl LatencyProfile {
     }
 
     /// The kernel time per KV head of `mask`, candidate `c`'s mask for the
-    /// query blocks `query_blocks` of a prompt of `tokens` positions, µs. For
-    /// a sparse pattern it is the measured time per visited key of `c` at
-    /// this length times the keys `mask` visits: the keys a budget takes are
-    /// fixed for A-shape and block-sparse, but vertical-slash's diagonals
-    /// cover more key blocks the further apart they are.
+    /// query blocks `query_blocks` of a call over `tokens` positions, µs: the
+    /// measured time per visited key of `c` at this length times the keys
+    /// `mask` visits. So a chunk of a few query blocks is priced for those
+    /// (dense included); and the keys a budget takes are fixed for A-shape and
+    /// block-sparse, but vertical-slash's diagonals cover more key blocks the
+    /// further apart they are. Profiles without key counts price whole calls.
     pub fn mask_time_us(
         &self,
         c: Candidate,
@@ -124,9 +125,9 @@ impl LatencyProfile {
             .filter(|e| e.pattern == c.pattern && e.budget == c.budget && e.keys > 0.0)
             .map(|e| (e.tokens, e.us / e.keys))
             .collect();
-        match (c.pattern, interpolate(&per_key, tokens, 0)) {
-            (Pattern::Dense, _) | (_, None) => self.time_us(c, tokens),
-            (_, Some(us_per_key)) => Some(us_per_key * mask.visited_keys(query_blocks)),
+        match interpolate(&per_key, tokens, 0) {
+            None => self.time_us(c, tokens),
+            Some(us_per_key) => Some(us_per_key * mask.visited_keys(query_blocks)),
         }
     }
 
@@ -347,5 +348,8 @@ mod tests {
         assert!(t > 1000.0, "{t}");
         // The same per key at twice the length, over twice the blocks.
         assert!(profile.mask_time_us(c, &near, 0..128, 8192).unwrap() > 200.0);
+        // A chunk of the last 4 query blocks is priced for those.
+        let tail = profile.mask_time_us(c, &near, 60..64, 4096).unwrap();
+        assert!((tail - 100.0 * near.visited_keys(60..64) / keys).abs() < 1e-9, "{tail}");
     }
 }

@@ -85,9 +85,20 @@ impl RoutedAttention {
         })
     }
 
-    /// Whether this call can go sparse.
+    /// Whether this call can go sparse, and, when routing, whether it may pay:
+    /// a chunk whose dense attention costs less than the probe (a few queries
+    /// after a long prefix: a chat's next turn, a teacher-forced batch) runs
+    /// dense without one.
     pub fn takes(&self, shape: &AttentionShape) -> bool {
-        shape.window.is_none() && shape.pos0.is_multiple_of(BLOCK)
+        let blocks = shape.pos0 / BLOCK..shape.kv_len().div_ceil(BLOCK);
+        let pays = match (&self.settings.pattern, &self.profile) {
+            (None, Some(p)) => {
+                let dense = p.mask_time_us(Candidate::DENSE, &Mask::Dense, blocks, shape.kv_len());
+                dense.zip(p.probe_us(shape.kv_len())).is_none_or(|(dense, probe)| dense > probe)
+            }
+            _ => true,
+        };
+        shape.window.is_none() && shape.pos0.is_multiple_of(BLOCK) && pays
     }
 
     /// Attention of layer `layer` for `shape` into `out`, from the chunk's f16
