@@ -296,8 +296,21 @@ impl<'m> Session<'m> {
     /// followed by a rectification when it completes a window of
     /// [`Rectify::every`] tokens.
     pub fn decode(&mut self, token: u32) -> Result<&[f32], EngineError> {
+        self.decode_hidden(token)?;
+        let n_vocab = self.model.hp.n_vocab;
+        self.logits.resize(n_vocab, 0.0);
+        threads::on_pool(|| self.model.logits(&self.hidden, &mut self.logits, &mut self.head_scratch));
+        Ok(&self.logits)
+    }
+
+    /// [`Self::decode`] without the output head: returns the final-normed
+    /// hidden state after `token`, for a caller that computes the logits
+    /// itself (of several sessions' rows in one product, say). A
+    /// rectification that follows the step leaves it as it was.
+    pub fn decode_hidden(&mut self, token: u32) -> Result<&[f32], EngineError> {
         self.check(&[token])?;
-        self.run_last(&[token])?;
+        self.records.clear();
+        threads::on_pool(|| self.forward(&[token], Outputs::Last))?;
         self.steps += 1;
         if self.rectify.every > 0 {
             self.pending.push(token);
@@ -306,7 +319,7 @@ impl<'m> Session<'m> {
                 self.rectify()?;
             }
         }
-        Ok(&self.logits)
+        Ok(&self.hidden)
     }
 
     /// Runs the tokens decoded since the last rectification again, densely

@@ -65,7 +65,7 @@ fn certified_policy_is_within_epsilon_on_paged_caches() {
                 let certified = CertifiedPolicy::new(params, PerturbationSeed { seed: 5, fixed: false });
                 let mut audited = Audited::new(Box::new(certified), measure);
                 let records = run(&mut cache, &mut audited, STEPS);
-                let table = AuditTable::of(&records, params.eps);
+                let table = AuditTable::of("certified", &records, params.eps);
                 let calls = STEPS * SHAPE.n_head() as u64;
                 assert_eq!(table.calls as u64, calls, "every head of every call is audited");
                 let violations = table.violations as u64;

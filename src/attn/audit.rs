@@ -17,28 +17,79 @@
 //! head whose error exceeds its ε is a violation. Dense heads' errors are
 //! the f16 rounding of ggml's arithmetic, the floor of any policy's.
 //!
+//! **Shadows.** An audit can also run other policies beside the one that
+//! drives the session ([`Audited::with_shadows`]): on every call it checks,
+//! each shadow attends the same call (the same queries, the same cache) into
+//! an output of its own, which is discarded, and its records are checked
+//! against the same exact attention and kept in a [`ShadowLog`]. One run then
+//! measures several configurations (say ε and measures of certified
+//! attention, or top-k at several page counts) call for call. What a shadow
+//! does not see is its own trajectory: the cache holds the keys and values
+//! that the driving policy's outputs produced, and the tokens scored are the
+//! driving policy's. A certified shadow draws the perturbations of the same
+//! seed as the driver; its certificate holds per call whatever the other
+//! configurations do, so its violations count as a run of its own would.
+//!
 //! [`AuditTable`] sums the checked records up: what `sift perplexity
 //! --audit` prints.
 
 use std::fmt;
 use std::ops::Range;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
 
 use super::read::{round_to_f16, HeadRows};
 use super::{worth_sparse, AttentionKind, AttentionPolicy, Checked, HeadRecord, LayerCall, Measure, Scorer};
 use crate::kv::Rows;
 
-/// A policy with exact attention computed beside it.
+/// A policy with exact attention computed beside it, and perhaps other
+/// policies run as its shadows.
 pub struct Audited {
     inner: Box<dyn AttentionPolicy>,
     measure: Measure,
+    shadows: Vec<Shadow>,
+    log: ShadowLog,
+}
+
+/// A policy run beside the audited one, and its buffers.
+struct Shadow {
+    policy: Box<dyn AttentionPolicy>,
+    out: Vec<f32>,
+    records: Vec<HeadRecord>,
+}
+
+/// The checked records of an audit's shadows, one list per shadow in the
+/// order they were given; shared between the audit, which appends, and
+/// whoever reads them.
+#[derive(Clone, Default)]
+pub struct ShadowLog(Arc<Mutex<Vec<Vec<HeadRecord>>>>);
+
+impl ShadowLog {
+    /// Every shadow's records so far, leaving the log's lists empty.
+    pub fn take(&self) -> Vec<Vec<HeadRecord>> {
+        let mut lists = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        lists.iter_mut().map(std::mem::take).collect()
+    }
 }
 
 impl Audited {
     /// Audits `inner`, measuring heads without a certificate on `measure`.
     pub fn new(inner: Box<dyn AttentionPolicy>, measure: Measure) -> Self {
-        Self { inner, measure }
+        Self::with_shadows(inner, measure, Vec::new()).0
+    }
+
+    /// Audits `inner` with `shadows` run beside it on every call checked;
+    /// the log receives their checked records.
+    pub fn with_shadows(
+        inner: Box<dyn AttentionPolicy>,
+        measure: Measure,
+        shadows: Vec<Box<dyn AttentionPolicy>>,
+    ) -> (Self, ShadowLog) {
+        let log = ShadowLog(Arc::new(Mutex::new(vec![Vec::new(); shadows.len()])));
+        let shadows = shadows.into_iter().map(|policy| Shadow { policy, out: Vec::new(), records: Vec::new() });
+        (Self { inner, measure, shadows: shadows.collect(), log: log.clone() }, log)
     }
 }
 
@@ -48,11 +99,12 @@ impl AttentionPolicy for Audited {
     }
 
     fn reads_sketch(&self) -> bool {
-        self.inner.reads_sketch()
+        self.inner.reads_sketch() || self.shadows.iter().any(|s| s.policy.reads_sketch())
     }
 
     fn forget_from(&mut self, pos: usize) {
         self.inner.forget_from(pos);
+        self.shadows.iter_mut().for_each(|s| s.policy.forget_from(pos));
     }
 
     fn attend(&mut self, call: &LayerCall, out: &mut [f32], records: &mut Vec<HeadRecord>) {
@@ -61,32 +113,65 @@ impl AttentionPolicy for Audited {
         if !worth_sparse(call) {
             return;
         }
+        let exact = ExactHeads::of(call);
+        exact.check(self.measure, out, &mut records[first..]);
+        let measure = self.measure;
+        self.shadows.par_iter_mut().for_each(|shadow| {
+            shadow.records.clear();
+            shadow.out.resize(out.len(), 0.0);
+            shadow.policy.attend(call, &mut shadow.out, &mut shadow.records);
+            exact.check(measure, &shadow.out, &mut shadow.records);
+        });
+        let mut lists = self.log.0.lock().unwrap_or_else(PoisonError::into_inner);
+        for (list, shadow) in lists.iter_mut().zip(&mut self.shadows) {
+            list.append(&mut shadow.records);
+        }
+    }
+}
+
+/// Exact attention of every query head of a call, with what dense attention
+/// reads for each.
+struct ExactHeads {
+    /// Per query head, in order.
+    heads: Vec<ExactAttention>,
+    /// Per query head: its share of the bytes dense attention reads.
+    dense_bytes: Vec<f64>,
+}
+
+impl ExactHeads {
+    fn of(call: &LayerCall) -> Self {
         let batch = call.batch;
-        let (g, dim_k, dim_v) = (batch.n_gqa, batch.head_dim_k, batch.head_dim_v);
+        let (g, dim_k) = (batch.n_gqa, batch.head_dim_k);
         let visible = call.visible(0);
-        let mut halves = Vec::new();
+        let (mut heads, mut dense_bytes, mut halves) = (Vec::new(), Vec::new(), Vec::new());
         for kv_head in 0..batch.n_kv_head() {
             let rows = HeadRows::new(call, kv_head);
             let mut queries = batch.queries[kv_head * g * dim_k..][..g * dim_k].to_vec();
             round_to_f16(&mut queries, &mut halves);
-            let exact = ExactAttention::of(&rows, &queries, batch.scorer, visible.clone());
+            heads.extend(ExactAttention::of(&rows, &queries, batch.scorer, visible.clone()));
             let all = std::slice::from_ref(&visible);
-            let dense_bytes = (rows.key_bytes(all) + rows.value_bytes(all)) as f64;
-            for (i, exact) in exact.iter().enumerate() {
-                let head = kv_head * g + i;
-                let Some(record) = records[first..].iter_mut().find(|r| r.head == head) else {
-                    continue;
-                };
-                let measure = record.certificate.measure.unwrap_or(self.measure);
-                let error = exact.error(measure, &out[head * dim_v..][..dim_v], record);
-                let certified = record.certificate.kind == AttentionKind::Certified && !record.fallback;
-                record.audit = Some(Checked {
-                    measure,
-                    error,
-                    dense_bytes: dense_bytes / g as f64,
-                    violated: certified && error > record.certificate.epsilon,
-                });
-            }
+            let bytes = (rows.key_bytes(all) + rows.value_bytes(all)) as f64;
+            dense_bytes.extend(std::iter::repeat_n(bytes / g as f64, g));
+        }
+        Self { heads, dense_bytes }
+    }
+
+    /// Fills the [`Checked`] of each of `records` (a policy's records of the
+    /// call) from `out`, the policy's output; heads without a certificate
+    /// are measured on `measure`.
+    fn check(&self, measure: Measure, out: &[f32], records: &mut [HeadRecord]) {
+        let dim_v = out.len() / self.heads.len();
+        for record in records {
+            let (exact, dense_bytes) = (&self.heads[record.head], self.dense_bytes[record.head]);
+            let measure = record.certificate.measure.unwrap_or(measure);
+            let error = exact.error(measure, &out[record.head * dim_v..][..dim_v], record);
+            let certified = record.certificate.kind == AttentionKind::Certified && !record.fallback;
+            record.audit = Some(Checked {
+                measure,
+                error,
+                dense_bytes,
+                violated: certified && error > record.certificate.epsilon,
+            });
         }
     }
 }
@@ -180,6 +265,8 @@ fn value_squares(rows: &HeadRows, positions: Range<usize>) -> Vec<f64> {
 /// The audit's summary of checked records (`sift perplexity --audit`).
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct AuditTable {
+    /// The policy the records are of, as its row names it.
+    pub policy: String,
     /// Head calls checked.
     pub calls: usize,
     /// Of them, certified (not fallen back) and fallen back.
@@ -214,10 +301,10 @@ pub struct LayerKinds {
 }
 
 impl AuditTable {
-    /// The summary of the checked ones of `records`, errors in units of
-    /// `epsilon`.
-    pub fn of<'a>(records: impl IntoIterator<Item = &'a HeadRecord>, epsilon: f64) -> Self {
-        let mut table = Self { epsilon, ..Self::default() };
+    /// The summary of the checked ones of `records`, the records of
+    /// `policy`, errors in units of `epsilon`.
+    pub fn of<'a>(policy: &str, records: impl IntoIterator<Item = &'a HeadRecord>, epsilon: f64) -> Self {
+        let mut table = Self { policy: policy.to_string(), epsilon, ..Self::default() };
         let (mut keys, mut errors, mut bytes, mut dense_bytes) = (Vec::new(), Vec::new(), 0.0, 0.0);
         for record in records {
             let Some(checked) = record.audit else {
@@ -264,34 +351,51 @@ fn percentile(x: &mut [f64], q: f64) -> f64 {
     }
 }
 
+/// Several audit tables as one markdown table, a row each (the audited
+/// policy's, then its shadows'), then the layers the first checked and
+/// which policy ran in each (a shadow's fallbacks show in its row).
+pub struct AuditTables<'a>(pub &'a [AuditTable]);
+
+impl fmt::Display for AuditTables<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        writeln!(
+            f,
+            "| policy | calls | certified | fallback | keys read mean | keys read p90 | bytes vs dense | error p50 \
+             | error p90 | error max | violations |"
+        )?;
+        writeln!(f, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")?;
+        for t in self.0 {
+            let pct = |n: usize| 100.0 * n as f64 / t.calls.max(1) as f64;
+            writeln!(
+                f,
+                "| {} | {} | {:.1}% | {:.1}% | {:.2}% | {:.2}% | {:.2}% | {:.4}ε | {:.4}ε | {:.4}ε | {} |",
+                t.policy,
+                t.calls,
+                pct(t.certified),
+                pct(t.fallbacks),
+                100.0 * t.keys_mean,
+                100.0 * t.keys_p90,
+                100.0 * t.bytes_vs_dense,
+                t.error_p50,
+                t.error_p90,
+                t.error_max,
+                t.violations
+            )?;
+        }
+        // Shadows are checked on the driver's calls: its layers stand for all.
+        write!(f, "(errors in units of ε, a certified row's own, ε = {} for the others; keys as a share of the visible positions; layers checked:", self.0.first().map_or(0.0, |t| t.epsilon))?;
+        for l in self.0.first().map_or(&[][..], |t| &t.layers[..]) {
+            let (layer, dense, certified, topk, resa) = (l.layer, l.dense, l.certified, l.topk, l.resa);
+            write!(f, " {layer} [dense {dense}, certified {certified}, topk {topk}, resa {resa}]")?;
+        }
+        write!(f, ")")
+    }
+}
+
 impl fmt::Display for AuditTable {
     /// A markdown table of one row, then the layers checked.
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
-        let pct = |n: usize| 100.0 * n as f64 / self.calls.max(1) as f64;
-        writeln!(
-            f,
-            "| calls | certified | fallback | keys read mean | keys read p90 | bytes vs dense | error p50 | error p90 | error max | violations |"
-        )?;
-        writeln!(f, "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")?;
-        writeln!(
-            f,
-            "| {} | {:.1}% | {:.1}% | {:.2}% | {:.2}% | {:.2}% | {:.4}ε | {:.4}ε | {:.4}ε | {} |",
-            self.calls,
-            pct(self.certified),
-            pct(self.fallbacks),
-            100.0 * self.keys_mean,
-            100.0 * self.keys_p90,
-            100.0 * self.bytes_vs_dense,
-            self.error_p50,
-            self.error_p90,
-            self.error_max,
-            self.violations
-        )?;
-        write!(f, "(ε = {}; keys as a share of the visible positions; layers checked:", self.epsilon)?;
-        for l in &self.layers {
-            write!(f, " {} [dense {}, certified {}, topk {}, resa {}]", l.layer, l.dense, l.certified, l.topk, l.resa)?;
-        }
-        write!(f, ")")
+        AuditTables(std::slice::from_ref(self)).fmt(f)
     }
 }
 
@@ -329,7 +433,7 @@ mod tests {
         records.push(record(11, AttentionKind::Certified, false, 500, 0.2));
         let unchecked = HeadRecord { audit: None, ..record(17, AttentionKind::Dense, false, 1000, 0.0) };
         records.push(unchecked);
-        let table = AuditTable::of(&records, 0.1);
+        let table = AuditTable::of("certified", &records, 0.1);
         assert_eq!((table.calls, table.certified, table.fallbacks, table.violations), (11, 10, 1, 1));
         let keys: f64 = (1..=9).map(|i| i as f64 / 10.0).sum::<f64>() + 1.0 + 0.5;
         assert!((table.keys_mean - keys / 11.0).abs() < 1e-12);

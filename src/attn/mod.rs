@@ -10,6 +10,7 @@
 //! everywhere else.
 
 pub mod audit;
+pub mod capture;
 pub mod certified;
 pub mod dense;
 pub mod read;

@@ -54,8 +54,15 @@ impl PolicyArgs {
     /// The policy `kind` with these settings, its perturbations drawn from
     /// `seed`; audited on `--measure` if `audit`.
     pub fn policy(&self, kind: AttentionKind, seed: u64, audit: bool) -> Result<Box<dyn AttentionPolicy>, Usage> {
+        let policy = self.unaudited(kind, seed)?;
+        Ok(if audit { Box::new(Audited::new(policy, self.measure)) } else { policy })
+    }
+
+    /// The policy `kind` with these settings, its perturbations drawn from
+    /// `seed`.
+    pub fn unaudited(&self, kind: AttentionKind, seed: u64) -> Result<Box<dyn AttentionPolicy>, Usage> {
         self.check()?;
-        let policy: Box<dyn AttentionPolicy> = match kind {
+        Ok(match kind {
             AttentionKind::Dense => Box::new(Dense),
             AttentionKind::Topk => Box::new(Topk::new(self.topk_pages)),
             AttentionKind::Resa => Box::new(Resa::new(resa::Params::default())),
@@ -64,8 +71,59 @@ impl PolicyArgs {
                     Params { eps: self.epsilon, delta: self.delta, measure: self.measure, grid: Grid::default() };
                 Box::new(CertifiedPolicy::new(params, PerturbationSeed { seed, fixed: self.fixed_perturbation }))
             }
-        };
-        Ok(if audit { Box::new(Audited::new(policy, self.measure)) } else { policy })
+        })
+    }
+
+    /// How an audit table names the policy `kind` with these settings.
+    pub fn describe(&self, kind: AttentionKind) -> String {
+        match kind {
+            AttentionKind::Certified => format!("certified ε={} {}", self.epsilon, self.measure),
+            AttentionKind::Topk => format!("topk {} pages", self.topk_pages),
+            AttentionKind::Dense | AttentionKind::Resa => kind.to_string(),
+        }
+    }
+}
+
+/// A policy an audit runs beside the session's (`--shadow`): certified
+/// attention at its own ε and measure (the run's δ and perturbations), or
+/// top-k at its own page count.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ShadowSpec {
+    Certified { epsilon: f64, measure: Measure },
+    Topk { pages: usize },
+}
+
+impl std::str::FromStr for ShadowSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let usage = || format!("'{s}' is not certified:EPS:MEASURE or topk:PAGES");
+        let parts: Vec<&str> = s.split(':').collect();
+        match parts[..] {
+            ["certified", epsilon, measure] => Ok(Self::Certified {
+                epsilon: epsilon.parse().map_err(|_| usage())?,
+                measure: measure.parse().map_err(|e: sift::attn::UnknownMeasure| e.to_string())?,
+            }),
+            ["topk", pages] => Ok(Self::Topk { pages: pages.parse().map_err(|_| usage())? }),
+            _ => Err(usage()),
+        }
+    }
+}
+
+impl ShadowSpec {
+    /// `settings` with this shadow's own ones in place of theirs.
+    pub fn settings(self, settings: &PolicyArgs) -> (AttentionKind, PolicyArgs) {
+        let mut own = settings.clone();
+        match self {
+            Self::Certified { epsilon, measure } => {
+                (own.epsilon, own.measure) = (epsilon, measure);
+                (AttentionKind::Certified, own)
+            }
+            Self::Topk { pages } => {
+                own.topk_pages = pages;
+                (AttentionKind::Topk, own)
+            }
+        }
     }
 }
 

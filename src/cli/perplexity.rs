@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use sift::attn::audit::AuditTable;
-use sift::attn::{AttentionKind, HeadRecord};
+use sift::attn::audit::{AuditTable, AuditTables, Audited, ShadowLog};
+use sift::attn::{AttentionKind, AttentionPolicy, HeadRecord};
 use sift::audit::{AttentionRow, AuditHeader, AuditLog, AuditSummary};
 use sift::engine::{Session, DEFAULT_BATCH};
 use sift::model::Model;
@@ -18,7 +18,7 @@ use sift::perplexity::{self, evaluate, Evaluation, KlReport, PerplexityReport, P
 use sift::rectify::RectifyReport;
 use sift::tokenizer::Tokenizer;
 
-use super::attn::AttentionArgs;
+use super::attn::{AttentionArgs, ShadowSpec};
 use super::{CacheArgs, GpuArgs, InputError, ModelArgs, Usage};
 
 #[derive(Args)]
@@ -70,6 +70,13 @@ pub struct PerplexityArgs {
     /// header and a summary, the format of `sift run --audit-out`); implies --audit
     #[arg(long, value_name = "FILE")]
     audit_out: Option<PathBuf>,
+    /// Also run these policies beside --attn on every call the audit checks, each on the same
+    /// queries and cache, its output discarded, and add a row per policy to the table:
+    /// certified:EPS:MEASURE (with the run's --delta and perturbations) or topk:PAGES (its errors
+    /// on --measure, in units of --eps). The cache and the tokens scored stay those of --attn's
+    /// outputs. A comma list, or repeat the flag; implies --audit
+    #[arg(long, value_name = "POLICY", value_delimiter = ',')]
+    shadow: Vec<ShadowSpec>,
     /// Seed of certified attention's perturbations
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -90,8 +97,8 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         return Err(anyhow::Error::new(Usage("-c must be at least 2 for perplexity".into())));
     }
     // First, so that bad settings or an audit that cannot be written cost no model load.
-    let audited = args.audit || args.audit_out.is_some();
-    let policy = args.attention.policy(args.seed, audited)?;
+    let audited = args.audit || args.audit_out.is_some() || !args.shadow.is_empty();
+    let (policy, shadows) = policies(&args, audited)?;
     let rectify = args.attention.rectify(audited)?;
     let mut audit_log = args.audit_out.as_deref().map(AuditLog::create).transpose()?;
     let paths = text_files(&args.files)?;
@@ -183,14 +190,24 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         log.finish(&AuditSummary { tokens: overall.tokens_scored, stop: None, turns: None, rectify })?;
     }
     let kl = base.as_deref().and_then(|b| KlReport::of(&all.scored, b));
-    let audit = audited.then(|| AuditTable::of(&checked, args.attention.settings.epsilon));
+    let settings = &args.attention.settings;
+    let audit = audited.then(|| AuditTable::of(&settings.describe(args.attention.kind), &checked, settings.epsilon));
+    let shadows: Vec<AuditTable> = args
+        .shadow
+        .iter()
+        .zip(shadows.map(|log| log.take()).unwrap_or_default())
+        .map(|(spec, records)| {
+            let (kind, own) = spec.settings(settings);
+            AuditTable::of(&own.describe(kind), &records, own.epsilon)
+        })
+        .collect();
     let rectified = (rectify.every > 0).then(|| RectifyReport::of(rectify, session.rectify_stats()));
     if args.json {
-        print_json(&overall, kl.as_ref(), audit.as_ref(), rectified.as_ref(), &books)?;
+        print_json(&overall, kl.as_ref(), audit.as_ref(), &shadows, rectified.as_ref(), &books)?;
     } else {
         print_text(&overall, kl.as_ref(), &books);
-        if let Some(audit) = &audit {
-            println!("{audit}");
+        if let Some(audit) = audit {
+            println!("{}", AuditTables(&[&[audit][..], &shadows].concat()));
         }
         if let Some(rectified) = rectified.filter(|_| audited) {
             println!("{rectified}");
@@ -203,6 +220,26 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         total as f64 / secs
     );
     Ok(())
+}
+
+/// The session's policy, audited if `audited`, and the log of the audit's
+/// shadows when there are any.
+fn policies(args: &PerplexityArgs, audited: bool) -> anyhow::Result<(Box<dyn AttentionPolicy>, Option<ShadowLog>)> {
+    let settings = &args.attention.settings;
+    if args.shadow.is_empty() {
+        return Ok((args.attention.policy(args.seed, audited)?, None));
+    }
+    let shadows = args
+        .shadow
+        .iter()
+        .map(|spec| {
+            let (kind, own) = spec.settings(settings);
+            own.unaudited(kind, args.seed)
+        })
+        .collect::<Result<_, _>>()?;
+    let driver = settings.unaudited(args.attention.kind, args.seed)?;
+    let (audited, log) = Audited::with_shadows(driver, settings.measure, shadows);
+    Ok((Box::new(audited), Some(log)))
 }
 
 /// The files named, with each directory replaced by its .txt files in name
@@ -274,6 +311,7 @@ fn print_json(
     overall: &PerplexityReport,
     kl: Option<&KlReport>,
     audit: Option<&AuditTable>,
+    shadows: &[AuditTable],
     rectified: Option<&RectifyReport>,
     books: &[Book],
 ) -> anyhow::Result<()> {
@@ -281,6 +319,9 @@ fn print_json(
     json["kl"] = serde_json::to_value(kl)?;
     if let Some(audit) = audit {
         json["audit"] = serde_json::to_value(audit)?;
+    }
+    if !shadows.is_empty() {
+        json["shadows"] = serde_json::to_value(shadows)?;
     }
     if let Some(rectified) = rectified {
         json["rectify"] = serde_json::to_value(rectified)?;

@@ -5,6 +5,8 @@ use std::path::PathBuf;
 
 use clap::builder::NonEmptyStringValueParser;
 use clap::Args;
+use sift::attn::capture::Capturing;
+use sift::attn::AttentionPolicy;
 use sift::audit::{audit_token, AuditHeader, AuditSummary};
 use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation};
@@ -51,12 +53,25 @@ pub struct RunArgs {
     /// `sift perplexity --f32-activations` does (several times slower)
     #[arg(long)]
     f32_activations: bool,
+    /// Keep the queries of every decoding step on the layers a sparse policy reads sparsely (those
+    /// that see 1024 positions or more: Gemma 3's global layers), with every key and value those
+    /// layers hold, and write them to FILE at the end: real caches for `cargo bench --bench
+    /// certified_attention -- --captured FILE`. Run it with dense attention
+    #[arg(long, value_name = "FILE")]
+    capture: Option<PathBuf>,
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
     // The sampling seed draws certified attention's perturbations too.
     let sampling = args.generation.sampling();
     let policy = args.generation.attention.policy(sampling.seed, args.audit.audit)?;
+    let (policy, capture) = match &args.capture {
+        Some(_) => {
+            let (capturing, log) = Capturing::new(policy);
+            (Box::new(capturing) as Box<dyn AttentionPolicy>, Some(log))
+        }
+        None => (policy, None),
+    };
     let rectify = args.generation.attention.rectify(args.audit.audit)?;
     let mut audit = args.audit.create()?;
     let prompt = read_prompt(args.prompt.as_deref())?;
@@ -128,6 +143,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         let rectify = (rectify.every > 0).then(|| RectifyReport::of(rectify, session.rectify_stats()));
         let stop = Some(generated.stop);
         audit.finish(&AuditSummary { tokens: generated.tokens.len(), stop, turns: None, rectify })?;
+    }
+    if let (Some(path), Some(log)) = (&args.capture, capture) {
+        log.captured().write(path)?;
     }
     if args.json {
         writeln!(stdout, "{}", serde_json::to_string(&generated)?)?;

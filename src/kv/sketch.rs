@@ -296,37 +296,70 @@ impl KeySketch {
     /// codes are read once for all of them; `dots` is scratch. Where the
     /// sketch keeps no more bits than it scans, these are the scan's bounds.
     pub fn refine_heads(&self, queries: &[ScanQuery], rows: &[u32], dots: &mut Vec<i32>, out: &mut [Bounds]) {
-        let n = rows.len();
-        let len = queries.len() * n;
-        assert_eq!(out.len(), len, "a bound per query and row");
         let kernels = simd::kernels();
+        self.refine_with(queries, rows.len(), dots, out, |codes, weights, dots| {
+            kernels.sketch_dots_at(codes, weights, rows, dots)
+        });
+    }
+
+    /// [`Self::refine_heads`] of every key of the page, `out[h·PAGE + i]`:
+    /// the rows read in order, as a scan reads them.
+    pub fn refine_page_heads(&self, queries: &[ScanQuery], dots: &mut Vec<i32>, out: &mut [Bounds]) {
+        let kernels = simd::kernels();
+        self.refine_with(queries, PAGE, dots, out, |codes, weights, dots| kernels.sketch_dots(codes, weights, dots));
+    }
+
+    /// The refinement of `n` keys whose integer dots `dots_of(codes,
+    /// weights, out)` writes, weight set after weight set, `n` apiece.
+    fn refine_with(
+        &self,
+        queries: &[ScanQuery],
+        n: usize,
+        dots: &mut Vec<i32>,
+        out: &mut [Bounds],
+        dots_of: impl Fn(&SketchCodes, &[SketchQuery], &mut [i32]),
+    ) {
+        /// Queries refined together: their weights and residuals make one
+        /// kernel call's sixteen weight sets at most.
+        const GROUP: usize = 8;
+        assert_eq!(out.len(), queries.len() * n, "a bound per query and row");
         let coarse = self.scan_codes(0..PAGE);
-        if !self.refines() {
-            let weights: Vec<SketchQuery> = queries.iter().map(ScanQuery::view).collect();
-            dots.clear();
-            dots.resize(len, 0);
-            kernels.sketch_dots_at(&coarse, &weights, rows, dots);
-            for (k, o) in out.iter_mut().enumerate() {
-                *o = weights[k / n].bounds(dots[k]);
-            }
-            return;
-        }
-        // Per plane, the weights' dots (query after query), then the residuals'.
-        let both: Vec<SketchQuery> =
-            queries.iter().map(ScanQuery::view).chain(queries.iter().map(ScanQuery::residual_view)).collect();
-        dots.clear();
-        dots.resize(4 * len, 0);
-        let (coarse_dots, fine_dots) = dots.split_at_mut(2 * len);
         let fine = SketchCodes { layout: SketchLayout { dim: self.dim, bits: 4 }, codes: &self.fine };
-        kernels.sketch_dots_at(&coarse, &both, rows, coarse_dots);
-        kernels.sketch_dots_at(&fine, &both, rows, fine_dots);
-        // The 8-bit code is the 4 scanned bits above the 4 fine ones.
-        let code_dot = |k: usize| 16 * i64::from(dots[k]) + i64::from(dots[2 * len + k]);
-        for (k, o) in out.iter_mut().enumerate() {
-            let query = &queries[k / n];
-            let scanned = query.view().bounds(dots[k]);
-            let fine = query.fine.bounds(code_dot(k), code_dot(len + k));
-            *o = Bounds { lower: fine.lower.max(scanned.lower), upper: fine.upper.min(scanned.upper) };
+        let empty = SketchQuery { weights: &[], beta: 0.0, lower: 0.0, upper: 0.0 };
+        let mut views = [empty; 2 * GROUP];
+        for (queries, out) in queries.chunks(GROUP).zip(out.chunks_mut(GROUP * n)) {
+            let len = queries.len() * n;
+            if !self.refines() {
+                for (view, query) in views.iter_mut().zip(queries) {
+                    *view = query.view();
+                }
+                dots.clear();
+                dots.resize(len, 0);
+                dots_of(&coarse, &views[..queries.len()], dots);
+                for (k, o) in out.iter_mut().enumerate() {
+                    *o = views[k / n].bounds(dots[k]);
+                }
+                continue;
+            }
+            // Per plane, the weights' dots (query after query), then the residuals'.
+            let (weights, residuals) = views.split_at_mut(queries.len());
+            for ((w, r), query) in weights.iter_mut().zip(residuals.iter_mut()).zip(queries) {
+                (*w, *r) = (query.view(), query.residual_view());
+            }
+            let both = &views[..2 * queries.len()];
+            dots.clear();
+            dots.resize(4 * len, 0);
+            let (coarse_dots, fine_dots) = dots.split_at_mut(2 * len);
+            dots_of(&coarse, both, coarse_dots);
+            dots_of(&fine, both, fine_dots);
+            // The 8-bit code is the 4 scanned bits above the 4 fine ones.
+            let code_dot = |k: usize| 16 * i64::from(dots[k]) + i64::from(dots[2 * len + k]);
+            for (k, o) in out.iter_mut().enumerate() {
+                let query = &queries[k / n];
+                let scanned = both[k / n].bounds(dots[k]);
+                let fine = query.fine.bounds(code_dot(k), code_dot(len + k));
+                *o = Bounds { lower: fine.lower.max(scanned.lower), upper: fine.upper.min(scanned.upper) };
+            }
         }
     }
 

@@ -88,6 +88,75 @@ pub fn reduce8(a: [f32; 8]) -> f32 {
     q[0] + q[1]
 }
 
+/// A 32-element weight block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) as its scalar
+/// dequantization and dot product see it: a scale and 32 integer codes. Each
+/// format's module says only how it packs them; the arithmetic is here, once.
+pub(crate) trait Block32 {
+    /// The 32 codes in element order: `q − 8` and `q − 16` for Q4_0 and Q5_0,
+    /// the stored `q` for the offset formats and Q8_0.
+    fn codes(&self) -> [i8; 32];
+    /// The scale `d`.
+    fn d(&self) -> half::f16;
+}
+
+/// A [`Block32`] with a minimum: element value `d · q + m` (Q4_1, Q5_1).
+pub(crate) trait OffsetBlock32: Block32 {
+    /// The minimum `m`.
+    fn m(&self) -> half::f16;
+}
+
+/// Writes `d · q` for every element of symmetric blocks.
+pub(crate) fn dequantize_symmetric<B: Block32>(blocks: &[B], out: &mut [f32]) {
+    let (out, rest) = out.as_chunks_mut::<32>();
+    assert!(rest.is_empty() && out.len() == blocks.len());
+    for (b, o) in blocks.iter().zip(out) {
+        let d = f16_to_f32(b.d());
+        for (o, q) in o.iter_mut().zip(b.codes()) {
+            *o = q as f32 * d;
+        }
+    }
+}
+
+/// Writes `d · q + m` for every element of offset blocks.
+pub(crate) fn dequantize_offset<B: OffsetBlock32>(blocks: &[B], out: &mut [f32]) {
+    let (out, rest) = out.as_chunks_mut::<32>();
+    assert!(rest.is_empty() && out.len() == blocks.len());
+    for (b, o) in blocks.iter().zip(out) {
+        let (d, m) = (f16_to_f32(b.d()), f16_to_f32(b.m()));
+        for (o, q) in o.iter_mut().zip(b.codes()) {
+            *o = q as f32 * d + m;
+        }
+    }
+}
+
+/// Dot product of symmetric blocks with a Q8_0 activation row, block `b`'s
+/// `sumi · (dx · dy)` added to lane `b % 8` (the order the module docs fix).
+pub(crate) fn dot_symmetric<B: Block32>(x: &[B], y: &[BlockQ8_0]) -> f32 {
+    assert_eq!(x.len(), y.len());
+    let mut acc = [0f32; 8];
+    for (xc, yc) in x.chunks(8).zip(y.chunks(8)) {
+        for (k, (xb, yb)) in xc.iter().zip(yc).enumerate() {
+            let sumi = q8_0::dot_i8_32(&xb.codes(), &yb.qs);
+            acc[k] += sumi as f32 * (f16_to_f32(xb.d()) * f16_to_f32(yb.d));
+        }
+    }
+    reduce8(acc)
+}
+
+/// Dot product of offset blocks with a Q8_1 activation row, whose `s` carries
+/// the minimum's term: per block `(dx · dy) · sumi + m · s`, lanes as above.
+pub(crate) fn dot_offset<B: OffsetBlock32>(x: &[B], y: &[BlockQ8_1]) -> f32 {
+    assert_eq!(x.len(), y.len());
+    let mut acc = [0f32; 8];
+    for (xc, yc) in x.chunks(8).zip(y.chunks(8)) {
+        for (k, (xb, yb)) in xc.iter().zip(yc).enumerate() {
+            let sumi = q8_0::dot_i8_32(&xb.codes(), &yb.qs);
+            acc[k] += (f16_to_f32(xb.d()) * f16_to_f32(yb.d)) * sumi as f32 + f16_to_f32(xb.m()) * f16_to_f32(yb.s);
+        }
+    }
+    reduce8(acc)
+}
+
 /// Casts a byte slice to blocks, with a message naming the contract on failure.
 #[inline]
 #[track_caller]

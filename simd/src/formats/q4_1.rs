@@ -12,7 +12,7 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
-use super::{f16_to_f32, reduce8, BlockQ8_1};
+use super::BlockQ8_1;
 
 /// Elements per block.
 pub const QK4_1: usize = 32;
@@ -30,41 +30,37 @@ pub struct BlockQ4_1 {
 }
 const _: () = assert!(core::mem::size_of::<BlockQ4_1>() == 20);
 
-/// The block's 32 unsigned quants.
-#[inline(always)]
-pub(crate) fn unpack(b: &BlockQ4_1) -> [i8; QK4_1] {
-    let mut q = [0i8; QK4_1];
-    for j in 0..QK4_1 / 2 {
-        q[j] = (b.qs[j] & 0x0f) as i8;
-        q[j + 16] = (b.qs[j] >> 4) as i8;
+impl super::Block32 for BlockQ4_1 {
+    /// The 32 unsigned quants.
+    #[inline(always)]
+    fn codes(&self) -> [i8; QK4_1] {
+        let mut q = [0i8; QK4_1];
+        for j in 0..QK4_1 / 2 {
+            q[j] = (self.qs[j] & 0x0f) as i8;
+            q[j + 16] = (self.qs[j] >> 4) as i8;
+        }
+        q
     }
-    q
+
+    fn d(&self) -> f16 {
+        self.d
+    }
+}
+
+impl super::OffsetBlock32 for BlockQ4_1 {
+    fn m(&self) -> f16 {
+        self.m
+    }
 }
 
 /// Writes `d · q + m` for every element.
 pub fn dequantize(blocks: &[BlockQ4_1], out: &mut [f32]) {
-    let (out, rest) = out.as_chunks_mut::<QK4_1>();
-    assert!(rest.is_empty() && out.len() == blocks.len());
-    for (b, o) in blocks.iter().zip(out) {
-        let (d, m) = (f16_to_f32(b.d), f16_to_f32(b.m));
-        let q = unpack(b);
-        for j in 0..QK4_1 {
-            o[j] = q[j] as f32 * d + m;
-        }
-    }
+    super::dequantize_offset(blocks, out)
 }
 
 /// Dot product with a Q8_1 activation row.
 pub fn dot(x: &[BlockQ4_1], y: &[BlockQ8_1]) -> f32 {
-    assert_eq!(x.len(), y.len());
-    let mut acc = [0f32; 8];
-    for (xc, yc) in x.chunks(8).zip(y.chunks(8)) {
-        for (k, (xb, yb)) in xc.iter().zip(yc).enumerate() {
-            let sumi = super::q8_0::dot_i8_32(&unpack(xb), &yb.qs);
-            acc[k] += (f16_to_f32(xb.d) * f16_to_f32(yb.d)) * sumi as f32 + f16_to_f32(xb.m) * f16_to_f32(yb.s);
-        }
-    }
-    reduce8(acc)
+    super::dot_offset(x, y)
 }
 
 super::weight_entry_points!(BlockQ4_1, BlockQ8_1);

@@ -73,28 +73,51 @@ pub fn scales_mins(s: &[u8; K_SCALE_SIZE]) -> ([u8; 8], [u8; 8]) {
     (sc.to_le_bytes(), mn.to_le_bytes())
 }
 
-/// The 256 unsigned 4-bit quants in element order.
-#[inline(always)]
-pub(crate) fn unpack(b: &BlockQ4K) -> [i8; QK_K] {
-    let mut q = [0i8; QK_K];
-    for c in 0..4 {
-        for l in 0..32 {
-            let byte = b.qs[32 * c + l];
-            q[64 * c + l] = (byte & 0x0f) as i8;
-            q[64 * c + 32 + l] = (byte >> 4) as i8;
-        }
-    }
-    q
+/// A super-block with 6-bit sub-block scales and minima (Q4_K, Q5_K) as its
+/// scalar dequantization and dot product see it; the formats differ only in
+/// how they pack the 256 codes.
+pub(crate) trait ScaleMinBlock {
+    /// The 256 unsigned codes in element order.
+    fn codes(&self) -> [i8; QK_K];
+    /// The super-block's scale and minimum scale, `d` and `dmin`.
+    fn d_dmin(&self) -> (f16, f16);
+    /// The packed sub-block scales and minima.
+    fn scales(&self) -> &[u8; K_SCALE_SIZE];
 }
 
-/// Writes `(d·sc)·q − dmin·m` for every element.
-pub fn dequantize(blocks: &[BlockQ4K], out: &mut [f32]) {
+impl ScaleMinBlock for BlockQ4K {
+    /// The 256 unsigned 4-bit quants in element order.
+    #[inline(always)]
+    fn codes(&self) -> [i8; QK_K] {
+        let mut q = [0i8; QK_K];
+        for c in 0..4 {
+            for l in 0..32 {
+                let byte = self.qs[32 * c + l];
+                q[64 * c + l] = (byte & 0x0f) as i8;
+                q[64 * c + 32 + l] = (byte >> 4) as i8;
+            }
+        }
+        q
+    }
+
+    fn d_dmin(&self) -> (f16, f16) {
+        (self.d, self.dmin)
+    }
+
+    fn scales(&self) -> &[u8; K_SCALE_SIZE] {
+        &self.scales
+    }
+}
+
+/// Writes `(d·sc)·q − dmin·m` for every element of Q4_K or Q5_K blocks.
+pub(crate) fn dequantize_scale_min<B: ScaleMinBlock>(blocks: &[B], out: &mut [f32]) {
     let (out, rest) = out.as_chunks_mut::<QK_K>();
     assert!(rest.is_empty() && out.len() == blocks.len());
     for (b, o) in blocks.iter().zip(out) {
-        let (d, dmin) = (f16_to_f32(b.d), f16_to_f32(b.dmin));
-        let (sc, mn) = scales_mins(&b.scales);
-        let q = unpack(b);
+        let (d, dmin) = b.d_dmin();
+        let (d, dmin) = (f16_to_f32(d), f16_to_f32(dmin));
+        let (sc, mn) = scales_mins(b.scales());
+        let q = b.codes();
         let (o, _) = o.as_chunks_mut::<32>();
         let (q, _) = q.as_chunks::<32>();
         for j in 0..8 {
@@ -105,6 +128,28 @@ pub fn dequantize(blocks: &[BlockQ4K], out: &mut [f32]) {
             }
         }
     }
+}
+
+/// Dot product of Q4_K or Q5_K blocks with a Q8_K activation row, one `f32`
+/// per super-block added in block order.
+pub(crate) fn dot_scale_min<B: ScaleMinBlock>(x: &[B], y: &[BlockQ8K]) -> f32 {
+    assert_eq!(x.len(), y.len());
+    let mut acc = 0f32;
+    for (xb, yb) in x.iter().zip(y) {
+        let (sc, mn) = scales_mins(xb.scales());
+        let sumi = scaled_sum_32(&xb.codes(), &yb.qs, &sc);
+        let summ = min_term(&mn, &yb.bsums);
+        let (d, dmin) = xb.d_dmin();
+        let d = f16_to_f32(d) * yb.d;
+        let dm = f16_to_f32(dmin) * yb.d;
+        acc += d * sumi as f32 - dm * summ as f32;
+    }
+    acc
+}
+
+/// Writes `(d·sc)·q − dmin·m` for every element.
+pub fn dequantize(blocks: &[BlockQ4K], out: &mut [f32]) {
+    dequantize_scale_min(blocks, out)
 }
 
 /// `Σⱼ mⱼ · (bsums[2j] + bsums[2j+1])`: the minimum term of a 32-sub-block K-quant.
@@ -131,17 +176,7 @@ pub(crate) fn scaled_sum_32(q: &[i8; QK_K], y: &[i8; QK_K], sc: &[u8; 8]) -> i32
 
 /// Dot product with a Q8_K activation row.
 pub fn dot(x: &[BlockQ4K], y: &[BlockQ8K]) -> f32 {
-    assert_eq!(x.len(), y.len());
-    let mut acc = 0f32;
-    for (xb, yb) in x.iter().zip(y) {
-        let (sc, mn) = scales_mins(&xb.scales);
-        let sumi = scaled_sum_32(&unpack(xb), &yb.qs, &sc);
-        let summ = min_term(&mn, &yb.bsums);
-        let d = f16_to_f32(xb.d) * yb.d;
-        let dm = f16_to_f32(xb.dmin) * yb.d;
-        acc += d * sumi as f32 - dm * summ as f32;
-    }
-    acc
+    dot_scale_min(x, y)
 }
 
 super::weight_entry_points!(BlockQ4K, BlockQ8K);

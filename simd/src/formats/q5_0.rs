@@ -11,7 +11,7 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
-use super::{f16_to_f32, reduce8, BlockQ8_0};
+use super::BlockQ8_0;
 
 /// Elements per block.
 pub const QK5_0: usize = 32;
@@ -41,40 +41,30 @@ pub(crate) fn unpack5(qs: &[u8; 16], qh: [u8; 4]) -> [i8; 32] {
     q
 }
 
-/// The block's 32 quants as signed values `q − 16`.
-#[inline(always)]
-pub(crate) fn unpack(b: &BlockQ5_0) -> [i8; QK5_0] {
-    let mut q = unpack5(&b.qs, b.qh);
-    for v in &mut q {
-        *v -= 16;
+impl super::Block32 for BlockQ5_0 {
+    /// The 32 quants as signed values `q − 16`.
+    #[inline(always)]
+    fn codes(&self) -> [i8; QK5_0] {
+        let mut q = unpack5(&self.qs, self.qh);
+        for v in &mut q {
+            *v -= 16;
+        }
+        q
     }
-    q
+
+    fn d(&self) -> f16 {
+        self.d
+    }
 }
 
 /// Writes `d · (q − 16)` for every element.
 pub fn dequantize(blocks: &[BlockQ5_0], out: &mut [f32]) {
-    let (out, rest) = out.as_chunks_mut::<QK5_0>();
-    assert!(rest.is_empty() && out.len() == blocks.len());
-    for (b, o) in blocks.iter().zip(out) {
-        let d = f16_to_f32(b.d);
-        let q = unpack(b);
-        for j in 0..QK5_0 {
-            o[j] = q[j] as f32 * d;
-        }
-    }
+    super::dequantize_symmetric(blocks, out)
 }
 
 /// Dot product with a Q8_0 activation row.
 pub fn dot(x: &[BlockQ5_0], y: &[BlockQ8_0]) -> f32 {
-    assert_eq!(x.len(), y.len());
-    let mut acc = [0f32; 8];
-    for (xc, yc) in x.chunks(8).zip(y.chunks(8)) {
-        for (k, (xb, yb)) in xc.iter().zip(yc).enumerate() {
-            let sumi = super::q8_0::dot_i8_32(&unpack(xb), &yb.qs);
-            acc[k] += sumi as f32 * (f16_to_f32(xb.d) * f16_to_f32(yb.d));
-        }
-    }
-    reduce8(acc)
+    super::dot_symmetric(x, y)
 }
 
 super::weight_entry_points!(BlockQ5_0, BlockQ8_0);

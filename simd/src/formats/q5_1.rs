@@ -12,7 +12,7 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
-use super::{f16_to_f32, reduce8, BlockQ8_1};
+use super::BlockQ8_1;
 
 /// Elements per block.
 pub const QK5_1: usize = 32;
@@ -32,36 +32,32 @@ pub struct BlockQ5_1 {
 }
 const _: () = assert!(core::mem::size_of::<BlockQ5_1>() == 24);
 
-/// The block's 32 unsigned quants.
-#[inline(always)]
-pub(crate) fn unpack(b: &BlockQ5_1) -> [i8; QK5_1] {
-    super::q5_0::unpack5(&b.qs, b.qh)
+impl super::Block32 for BlockQ5_1 {
+    /// The 32 unsigned quants.
+    #[inline(always)]
+    fn codes(&self) -> [i8; QK5_1] {
+        super::q5_0::unpack5(&self.qs, self.qh)
+    }
+
+    fn d(&self) -> f16 {
+        self.d
+    }
+}
+
+impl super::OffsetBlock32 for BlockQ5_1 {
+    fn m(&self) -> f16 {
+        self.m
+    }
 }
 
 /// Writes `d · q + m` for every element.
 pub fn dequantize(blocks: &[BlockQ5_1], out: &mut [f32]) {
-    let (out, rest) = out.as_chunks_mut::<QK5_1>();
-    assert!(rest.is_empty() && out.len() == blocks.len());
-    for (b, o) in blocks.iter().zip(out) {
-        let (d, m) = (f16_to_f32(b.d), f16_to_f32(b.m));
-        let q = unpack(b);
-        for j in 0..QK5_1 {
-            o[j] = q[j] as f32 * d + m;
-        }
-    }
+    super::dequantize_offset(blocks, out)
 }
 
 /// Dot product with a Q8_1 activation row.
 pub fn dot(x: &[BlockQ5_1], y: &[BlockQ8_1]) -> f32 {
-    assert_eq!(x.len(), y.len());
-    let mut acc = [0f32; 8];
-    for (xc, yc) in x.chunks(8).zip(y.chunks(8)) {
-        for (k, (xb, yb)) in xc.iter().zip(yc).enumerate() {
-            let sumi = super::q8_0::dot_i8_32(&unpack(xb), &yb.qs);
-            acc[k] += (f16_to_f32(xb.d) * f16_to_f32(yb.d)) * sumi as f32 + f16_to_f32(xb.m) * f16_to_f32(yb.s);
-        }
-    }
-    reduce8(acc)
+    super::dot_offset(x, y)
 }
 
 super::weight_entry_points!(BlockQ5_1, BlockQ8_1);

@@ -14,8 +14,8 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
-use super::q4_k::{min_term, scaled_sum_32, scales_mins, K_SCALE_SIZE};
-use super::{f16_to_f32, BlockQ8K, QK_K};
+use super::q4_k::{dequantize_scale_min, dot_scale_min, ScaleMinBlock, K_SCALE_SIZE};
+use super::{BlockQ8K, QK_K};
 
 /// One Q5_K super-block.
 #[repr(C)]
@@ -34,54 +34,39 @@ pub struct BlockQ5K {
 }
 const _: () = assert!(core::mem::size_of::<BlockQ5K>() == 176);
 
-/// The 256 unsigned 5-bit quants in element order.
-#[inline(always)]
-pub(crate) fn unpack(b: &BlockQ5K) -> [i8; QK_K] {
-    let mut q = [0i8; QK_K];
-    for c in 0..4 {
-        for l in 0..32 {
-            let byte = b.qs[32 * c + l];
-            let h = b.qh[l] >> (2 * c);
-            q[64 * c + l] = ((byte & 0x0f) | ((h & 1) << 4)) as i8;
-            q[64 * c + 32 + l] = ((byte >> 4) | ((h & 2) << 3)) as i8;
+impl ScaleMinBlock for BlockQ5K {
+    /// The 256 unsigned 5-bit quants in element order.
+    #[inline(always)]
+    fn codes(&self) -> [i8; QK_K] {
+        let mut q = [0i8; QK_K];
+        for c in 0..4 {
+            for l in 0..32 {
+                let byte = self.qs[32 * c + l];
+                let h = self.qh[l] >> (2 * c);
+                q[64 * c + l] = ((byte & 0x0f) | ((h & 1) << 4)) as i8;
+                q[64 * c + 32 + l] = ((byte >> 4) | ((h & 2) << 3)) as i8;
+            }
         }
+        q
     }
-    q
+
+    fn d_dmin(&self) -> (f16, f16) {
+        (self.d, self.dmin)
+    }
+
+    fn scales(&self) -> &[u8; K_SCALE_SIZE] {
+        &self.scales
+    }
 }
 
 /// Writes `(d·sc)·q − dmin·m` for every element.
 pub fn dequantize(blocks: &[BlockQ5K], out: &mut [f32]) {
-    let (out, rest) = out.as_chunks_mut::<QK_K>();
-    assert!(rest.is_empty() && out.len() == blocks.len());
-    for (b, o) in blocks.iter().zip(out) {
-        let (d, dmin) = (f16_to_f32(b.d), f16_to_f32(b.dmin));
-        let (sc, mn) = scales_mins(&b.scales);
-        let q = unpack(b);
-        let (o, _) = o.as_chunks_mut::<32>();
-        let (q, _) = q.as_chunks::<32>();
-        for j in 0..8 {
-            let d1 = d * sc[j] as f32;
-            let m1 = dmin * mn[j] as f32;
-            for l in 0..32 {
-                o[j][l] = d1 * q[j][l] as f32 - m1;
-            }
-        }
-    }
+    dequantize_scale_min(blocks, out)
 }
 
 /// Dot product with a Q8_K activation row.
 pub fn dot(x: &[BlockQ5K], y: &[BlockQ8K]) -> f32 {
-    assert_eq!(x.len(), y.len());
-    let mut acc = 0f32;
-    for (xb, yb) in x.iter().zip(y) {
-        let (sc, mn) = scales_mins(&xb.scales);
-        let sumi = scaled_sum_32(&unpack(xb), &yb.qs, &sc);
-        let summ = min_term(&mn, &yb.bsums);
-        let d = f16_to_f32(xb.d) * yb.d;
-        let dm = f16_to_f32(xb.dmin) * yb.d;
-        acc += d * sumi as f32 - dm * summ as f32;
-    }
-    acc
+    dot_scale_min(x, y)
 }
 
 super::weight_entry_points!(BlockQ5K, BlockQ8K);

@@ -12,8 +12,8 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
+use super::f32_to_f16;
 use super::q8_k::nearest_int;
-use super::{f16_to_f32, f32_to_f16, reduce8};
 
 /// Elements per block.
 pub const QK8_0: usize = 32;
@@ -29,16 +29,19 @@ pub struct BlockQ8_0 {
 }
 const _: () = assert!(core::mem::size_of::<BlockQ8_0>() == 34);
 
+impl super::Block32 for BlockQ8_0 {
+    fn codes(&self) -> [i8; QK8_0] {
+        self.qs
+    }
+
+    fn d(&self) -> f16 {
+        self.d
+    }
+}
+
 /// Writes `d · q` for every element.
 pub fn dequantize(blocks: &[BlockQ8_0], out: &mut [f32]) {
-    let (out, rest) = out.as_chunks_mut::<QK8_0>();
-    assert!(rest.is_empty() && out.len() == blocks.len());
-    for (b, o) in blocks.iter().zip(out) {
-        let d = f16_to_f32(b.d);
-        for j in 0..QK8_0 {
-            o[j] = b.qs[j] as f32 * d;
-        }
-    }
+    super::dequantize_symmetric(blocks, out)
 }
 
 /// Exact integer dot product of two 32-element quant arrays.
@@ -54,15 +57,7 @@ pub(crate) fn dot_i8_32(x: &[i8; 32], y: &[i8; 32]) -> i32 {
 /// Dot product with a Q8_0 activation row (see the module docs of `formats` for the
 /// order of float operations).
 pub fn dot(x: &[BlockQ8_0], y: &[BlockQ8_0]) -> f32 {
-    assert_eq!(x.len(), y.len());
-    let mut acc = [0f32; 8];
-    for (xc, yc) in x.chunks(8).zip(y.chunks(8)) {
-        for (k, (xb, yb)) in xc.iter().zip(yc).enumerate() {
-            let sumi = dot_i8_32(&xb.qs, &yb.qs);
-            acc[k] += sumi as f32 * (f16_to_f32(xb.d) * f16_to_f32(yb.d));
-        }
-    }
-    reduce8(acc)
+    super::dot_symmetric(x, y)
 }
 
 /// ggml's `MAX(a, b)` (`a > b ? a : b`), which is also what `maxps` computes.

@@ -1,5 +1,6 @@
 //! F32, F16 and BF16 weights against f32 activations: AVX2 (8 lanes, F16C, four
-//! accumulators) and AVX-512 (16 lanes, one accumulator) fused multiply-adds; F16/BF16
+//! accumulators) and AVX-512 (16 lanes, one accumulator) fused multiply-adds, and on
+//! AVX-512 tiles of rows × tokens that sum each pair as the single dot does; F16/BF16
 //! dequantization through the hardware conversions. Results agree with the scalar
 //! kernels to rounding (they sum in another order).
 
@@ -118,6 +119,77 @@ unsafe fn dot_avx512<T: Elem>(w: &[T], a: &[f32]) -> f32 {
     }
 }
 
+/// Weight rows and tokens per block of [`dot_tile_avx512`]: eight independent sums.
+const TILE_ROWS: usize = 4;
+const TILE_TOKENS: usize = 2;
+
+/// `out[t · stride + r] = dot_avx512(w[r], a[t])` for the rows of `n` elements in `w`
+/// and `a`: blocks of [`TILE_ROWS`] rows × [`TILE_TOKENS`] tokens keep one accumulator
+/// per pair, each summing exactly as [`dot_avx512`] sums it (so every result is that
+/// kernel's to the bit), while the pairs' independent chains keep the FMA units busy
+/// where a single pair waits on each addition. Rows and tokens beyond whole blocks go
+/// through [`dot_avx512`] itself.
+///
+/// # Safety
+/// As [`dot_avx512`]; `w` and `a` hold whole rows of `n > 0` elements and `out` reaches
+/// the last token's last row at `stride`.
+#[inline(always)]
+unsafe fn dot_tile_avx512<T: Elem>(w: &[T], a: &[f32], n: usize, out: &mut [f32], stride: usize) {
+    let (rows, tokens) = (w.len() / n, a.len() / n);
+    let row = |r: usize| &w[r * n..][..n];
+    let act = |t: usize| &a[t * n..][..n];
+    let (whole_rows, whole_tokens) = (rows / TILE_ROWS * TILE_ROWS, tokens / TILE_TOKENS * TILE_TOKENS);
+    for t0 in (0..whole_tokens).step_by(TILE_TOKENS) {
+        for r0 in (0..whole_rows).step_by(TILE_ROWS) {
+            let block_rows = core::array::from_fn(|i| row(r0 + i));
+            let block_acts = core::array::from_fn(|j| act(t0 + j));
+            // SAFETY: the caller's features are passed on.
+            let sums = unsafe { dot_block_avx512::<T, TILE_ROWS, TILE_TOKENS>(block_rows, block_acts) };
+            for (i, sums) in sums.iter().enumerate() {
+                for (j, &sum) in sums.iter().enumerate() {
+                    out[(t0 + j) * stride + r0 + i] = sum;
+                }
+            }
+        }
+    }
+    for t in 0..tokens {
+        let ragged = if t < whole_tokens { whole_rows..rows } else { 0..rows };
+        for r in ragged {
+            // SAFETY: as above.
+            out[t * stride + r] = unsafe { dot_avx512(row(r), act(t)) };
+        }
+    }
+}
+
+/// The [`dot_avx512`] of each of `R` weight rows with each of `K` activation rows.
+///
+/// # Safety
+/// As [`dot_avx512`]; all rows have one length.
+#[inline(always)]
+unsafe fn dot_block_avx512<T: Elem, const R: usize, const K: usize>(
+    rows: [&[T]; R],
+    acts: [&[f32]; K],
+) -> [[f32; K]; R] {
+    let rows = rows.map(|w| w.as_chunks::<16>());
+    let acts = acts.map(|a| a.as_chunks::<16>());
+    // SAFETY: caller guarantees the features.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); K]; R];
+        for c in 0..acts[0].0.len() {
+            let a: [__m512; K] = core::array::from_fn(|j| bytemuck::cast(acts[j].0[c]));
+            for (acc, (body, _)) in acc.iter_mut().zip(&rows) {
+                let w = T::load16(&body[c]);
+                for (acc, &a) in acc.iter_mut().zip(&a) {
+                    *acc = _mm512_fmadd_ps(w, a, *acc);
+                }
+            }
+        }
+        core::array::from_fn(|i| {
+            core::array::from_fn(|j| _mm512_reduce_add_ps(acc[i][j]) + dot_avx2(rows[i].1, acts[j].1))
+        })
+    }
+}
+
 /// # Safety
 /// AVX2 + F16C must be enabled.
 #[inline(always)]
@@ -150,6 +222,19 @@ macro_rules! float_entries {
             pub(super) unsafe fn dot_avx512(w: &[u8], a: &[u8]) -> f32 {
                 // SAFETY: this function enables the features.
                 unsafe { super::dot_avx512::<$T>(cast_blocks(w), cast_blocks(a)) }
+            }
+
+            #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+            pub(super) unsafe fn dot_tile_avx512(
+                w: &[u8],
+                a: &[u8],
+                act_len: usize,
+                out: &mut [f32],
+                out_stride: usize,
+            ) {
+                let n = act_len / core::mem::size_of::<f32>();
+                // SAFETY: this function enables the features; `dot_tile` checked the shapes.
+                unsafe { super::dot_tile_avx512::<$T>(cast_blocks(w), cast_blocks(a), n, out, out_stride) }
             }
 
             // Unused for f32, whose dequantization is a byte copy.
@@ -192,4 +277,7 @@ pub(super) fn register_avx512(k: &mut Kernels) {
         WeightType::BF16,
         WeightKernels { dot: bf16_entries::dot_avx512, dot_rows: None, dequantize: bf16_entries::dequantize },
     );
+    k.set_tile(WeightType::F32, f32_entries::dot_tile_avx512);
+    k.set_tile(WeightType::F16, f16_entries::dot_tile_avx512);
+    k.set_tile(WeightType::BF16, bf16_entries::dot_tile_avx512);
 }

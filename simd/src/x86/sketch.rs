@@ -204,10 +204,44 @@ unsafe fn select_at_least_avx512(values: &[f32], threshold: f32, out: &mut [u32]
     crate::sketch::select_rest(rest, values.len() - rest.len(), threshold, out, n)
 }
 
+/// Eight numbers of `x` from `c` on, zeros past its end.
+#[inline(always)]
+fn lanes8(x: &[f32], c: usize) -> [f32; 8] {
+    match x[c..].first_chunk::<8>() {
+        Some(lanes) => *lanes,
+        None => padded(&x[c..]),
+    }
+}
+
+/// `|x|` lane by lane.
+///
+/// # Safety
+/// The CPU must support AVX.
+#[inline(always)]
+unsafe fn abs8(x: __m256) -> __m256 {
+    // SAFETY: the caller's ISA guarantee.
+    unsafe { _mm256_andnot_ps(_mm256_set1_ps(-0.0), x) }
+}
+
+/// `x` rounded to the nearest integer (ties to even) within `[−127, 127]`.
+///
+/// # Safety
+/// The CPU must support AVX.
+#[inline(always)]
+unsafe fn rounded127(x: __m256) -> __m256 {
+    // SAFETY: the caller's ISA guarantee.
+    unsafe {
+        let round = _mm256_set1_ps(ROUND);
+        let x = _mm256_sub_ps(_mm256_add_ps(x, round), round);
+        _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(127.0)), _mm256_set1_ps(-127.0))
+    }
+}
+
 /// `Kernels::sketch_prepare` in ymm registers, for every x86 table: eight
 /// channels a vector, chunk `k` adding to the half `k mod 2` of the sixteen
 /// lanes, every operation the portable one's (no fused multiply-adds), so
-/// the bits are the same.
+/// the bits are the same. The weights and residuals, integers within
+/// ±127, are stored eight at a time as bytes.
 ///
 /// # Safety
 /// The CPU must support AVX2; the lengths are equal.
@@ -220,23 +254,11 @@ unsafe fn prepare_avx2(
     residuals: &mut [i8],
 ) -> (PrepareScales, PrepareSums) {
     let n = q.len();
-    let load = |x: &[f32], c: usize| -> __m256 {
-        match x[c..].first_chunk::<8>() {
-            // SAFETY: eight numbers of the slice.
-            Some(lanes) => unsafe { _mm256_loadu_ps(lanes.as_ptr()) },
-            None => {
-                let mut lanes = [0.0f32; 8];
-                lanes[..n - c].copy_from_slice(&x[c..]);
-                // SAFETY: eight numbers on the stack.
-                unsafe { _mm256_loadu_ps(lanes.as_ptr()) }
-            }
-        }
-    };
-    let sign = _mm256_set1_ps(-0.0);
-    let abs = |x: __m256| _mm256_andnot_ps(sign, x);
+    let load = |x: &[f32], c: usize| -> __m256 { bytemuck::cast(lanes8(x, c)) };
     let mut most = _mm256_setzero_ps();
     for c in (0..n).step_by(8) {
-        most = _mm256_max_ps(abs(_mm256_mul_ps(load(q, c), load(step, c))), most);
+        // SAFETY: AVX2 is enabled in this function.
+        most = _mm256_max_ps(unsafe { abs8(_mm256_mul_ps(load(q, c), load(step, c))) }, most);
     }
     let lanes: [f32; 8] = bytemuck::cast(most);
     let a_max = lanes.iter().fold(0.0f32, |m, &a| if a > m { a } else { m });
@@ -244,42 +266,47 @@ unsafe fn prepare_avx2(
     let splat = _mm256_set1_ps;
     let (alpha, alpha2) = (splat(scales.alpha), splat(scales.alpha2));
     let (inverse, inverse2) = (splat(scales.inverse()), splat(scales.inverse2()));
-    let (round, top, bottom, zero, top_code) =
-        (splat(ROUND), splat(127.0), splat(-127.0), _mm256_setzero_ps(), splat(255.0));
-    let rounded = |x: __m256| _mm256_max_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_add_ps(x, round), round), top), bottom);
+    let (sign, zero, top_code) = (splat(-0.0), _mm256_setzero_ps(), splat(255.0));
     let mut acc = [[_mm256_setzero_ps(); 2]; 12];
     for (k, c) in (0..n).step_by(8).enumerate() {
         let (qv, minv, stepv) = (load(q, c), load(min, c), load(step, c));
-        let a = _mm256_mul_ps(qv, stepv);
-        let w = rounded(_mm256_mul_ps(a, inverse));
-        let aw = _mm256_mul_ps(alpha, w);
-        let delta = _mm256_sub_ps(a, aw);
-        let r = rounded(_mm256_mul_ps(delta, inverse2));
-        let residual = _mm256_sub_ps(delta, _mm256_mul_ps(alpha2, r));
-        let centre = _mm256_mul_ps(qv, minv);
-        let minus = |x: __m256| _mm256_xor_ps(sign, x);
-        let terms = [
-            centre,
-            a,
-            abs(a),
-            _mm256_max_ps(delta, zero),
-            _mm256_max_ps(minus(delta), zero),
-            _mm256_max_ps(residual, zero),
-            _mm256_max_ps(minus(residual), zero),
-            abs(centre),
-            _mm256_add_ps(abs(a), abs(aw)),
-            _mm256_mul_ps(abs(qv), _mm256_add_ps(abs(minv), _mm256_mul_ps(top_code, stepv))),
-            abs(w),
-            abs(r),
-        ];
+        // SAFETY: AVX2 is enabled in this function.
+        let (terms, w, r) = unsafe {
+            let a = _mm256_mul_ps(qv, stepv);
+            let w = rounded127(_mm256_mul_ps(a, inverse));
+            let aw = _mm256_mul_ps(alpha, w);
+            let delta = _mm256_sub_ps(a, aw);
+            let r = rounded127(_mm256_mul_ps(delta, inverse2));
+            let residual = _mm256_sub_ps(delta, _mm256_mul_ps(alpha2, r));
+            let centre = _mm256_mul_ps(qv, minv);
+            let terms = [
+                centre,
+                a,
+                abs8(a),
+                _mm256_max_ps(delta, zero),
+                _mm256_max_ps(_mm256_xor_ps(sign, delta), zero),
+                _mm256_max_ps(residual, zero),
+                _mm256_max_ps(_mm256_xor_ps(sign, residual), zero),
+                abs8(centre),
+                _mm256_add_ps(abs8(a), abs8(aw)),
+                _mm256_mul_ps(abs8(qv), _mm256_add_ps(abs8(minv), _mm256_mul_ps(top_code, stepv))),
+                abs8(w),
+                abs8(r),
+            ];
+            (terms, w, r)
+        };
         for (acc, term) in acc.iter_mut().zip(terms) {
             acc[k % 2] = _mm256_add_ps(acc[k % 2], term);
         }
-        let (w, r): ([f32; 8], [f32; 8]) = (bytemuck::cast(w), bytemuck::cast(r));
+        // Integers within ±127: exact as i32, and as bytes after the
+        // saturating packs (which keep them).
+        let packed = _mm256_packs_epi32(_mm256_cvtps_epi32(w), _mm256_cvtps_epi32(r));
+        let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+        let bytes: [i8; 16] =
+            bytemuck::cast(_mm_packs_epi16(_mm256_castsi256_si128(packed), _mm256_extracti128_si256::<1>(packed)));
         let len = (n - c).min(8);
-        for j in 0..len {
-            (weights[c + j], residuals[c + j]) = (w[j] as i8, r[j] as i8);
-        }
+        weights[c..c + len].copy_from_slice(&bytes[..len]);
+        residuals[c..c + len].copy_from_slice(&bytes[8..8 + len]);
     }
     let halves = acc.map(|[low, high]| bytemuck::cast::<__m256, [f32; 8]>(_mm256_add_ps(low, high)));
     (scales, reduce_prepare(&halves))

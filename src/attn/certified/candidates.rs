@@ -47,10 +47,10 @@ use half::slice::HalfFloatSliceExt;
 
 use super::head::HeadKeys;
 use super::perturb::Perturbations;
-use crate::attn::read::{self, HeadRows, Stretch};
+use crate::attn::read::{self, HeadRows};
 use crate::attn::{LayerCall, Scorer, Split};
 use crate::kv::quant::{packed_len, Affine, Bits};
-use crate::kv::{Bounds, KeyCover, KvMode, PagedLayer, ScanQuery, PAGE};
+use crate::kv::{Bounds, KeyCover, KvMode, PagedLayer, Rows, ScanQuery, PAGE};
 
 /// The pool of one KV head at one decoding step, scanned for the query
 /// heads of its group.
@@ -225,11 +225,15 @@ impl<T: Copy + Default> Memo<T> {
 #[derive(Default)]
 pub struct GroupReads {
     scores: Memo<f32>,
+    /// Per page of the pool (from its first), once refined: the refined
+    /// upper bounds on the scores, `[head][row]`.
     refined: Memo<f32>,
     exponentials: Memo<f64>,
     dots: Vec<f32>,
+    /// The exact key rows to score, end to end, and their keys.
+    gathered: Vec<f16>,
+    gathered_keys: Vec<usize>,
     refine_dots: Vec<i32>,
-    refine_rows: Vec<u32>,
     refine_bounds: Vec<Bounds>,
 }
 
@@ -238,61 +242,65 @@ impl GroupReads {
     /// and `pool` pool keys, of `n_gqa` heads.
     pub fn reset(&mut self, keys: usize, pool: usize, n_gqa: usize) {
         self.scores.reset(keys, n_gqa);
-        self.refined.reset(pool, n_gqa);
+        // A pool of `pool` keys spans at most this many pages.
+        self.refined.reset(pool.div_ceil(PAGE) + 1, n_gqa * PAGE);
         self.exponentials.reset(pool, 1);
     }
 
-    /// Refines `rows` of `page` (those no head has refined) for every head
-    /// of the group, in one pass over their codes; returns the bytes read.
-    fn refine(&mut self, scan: &GroupScan, rows: HeadRows, page: usize, wanted: impl Iterator<Item = u32>) -> usize {
+    /// Refines every row of `page`, unless done, for every head of the
+    /// group in one pass over its codes; returns the bytes read.
+    fn refine_page(&mut self, scan: &GroupScan, rows: HeadRows, page: usize) -> usize {
+        let slot = page - scan.pool.start / PAGE;
+        if self.refined.get(slot).is_some() {
+            return 0;
+        }
         let (Some(prepared), Some(sketch)) = (scan.prepared(page), rows.cache.sketch(rows.head, page)) else {
             return 0;
         };
-        let start = scan.pool.start;
-        let key = |row: u32| page * PAGE + row as usize - start;
-        self.refine_rows.clear();
-        self.refine_rows.extend(wanted.filter(|&row| self.refined.get(key(row)).is_none()));
-        let n = self.refine_rows.len();
-        if n == 0 {
-            return 0;
+        self.refine_bounds.resize(scan.n_gqa * PAGE, Bounds::default());
+        sketch.refine_page_heads(prepared, &mut self.refine_dots, &mut self.refine_bounds);
+        for (upper, bounds) in self.refined.set(slot).iter_mut().zip(&self.refine_bounds) {
+            *upper = scan.scorer.upper(bounds.upper);
         }
-        self.refine_bounds.resize(scan.n_gqa * n, Bounds::default());
-        sketch.refine_heads(prepared, &self.refine_rows, &mut self.refine_dots, &mut self.refine_bounds);
-        for r in 0..n {
-            let bounds = &self.refine_bounds;
-            for (h, upper) in self.refined.set(key(self.refine_rows[r])).iter_mut().enumerate() {
-                *upper = scan.scorer.upper(bounds[h * n + r].upper);
-            }
-        }
-        n * sketch.refinement_bytes()
+        PAGE * sketch.refinement_bytes()
     }
 
-    /// Refines, page by page, every pool key whose scanned bound reaches
-    /// `thresholds[g]` for some head `g` of the group, and tightens the
-    /// scan's bounds with the refined ones: the keys the levels down to the
-    /// thresholds will want refined, in a pass per page rather than a pass
-    /// per page, head and level. Returns the bytes read.
+    /// Query head `g`'s refined upper bound on pool key `i`'s score, if its
+    /// page is refined.
+    fn refined(&self, scan: &GroupScan, g: usize, i: usize) -> Option<f32> {
+        let pos = scan.pool.start + i;
+        let page = self.refined.get(pos / PAGE - scan.pool.start / PAGE)?;
+        Some(page[g * PAGE + pos % PAGE])
+    }
+
+    /// Refines every page of the pool holding a key whose scanned bound
+    /// reaches `thresholds[g]` for some head `g` of the group, and tightens
+    /// the scan's bounds with the refined ones: the keys the levels down to
+    /// the thresholds will want refined, a page per kernel call rather than
+    /// a call per page, head and level. Returns the bytes read.
     pub fn refine_ahead(&mut self, scan: &mut GroupScan, rows: HeadRows, thresholds: &[f32]) -> usize {
         let (n, pool) = (scan.n_gqa, scan.pool.clone());
         if !scan.refines || pool.is_empty() {
             return 0;
         }
         let mut bytes = 0;
-        let mut wanted = Vec::with_capacity(PAGE);
         for page in pool.start / PAGE..pool.end.div_ceil(PAGE) {
-            let keys = (page * PAGE).max(pool.start)..((page + 1) * PAGE).min(pool.end);
-            wanted.clear();
-            wanted.extend(keys.clone().filter_map(|pos| {
-                let i = pos - pool.start;
-                (0..n).any(|g| scan.perturbed[g * pool.len() + i] >= thresholds[g]).then_some((pos % PAGE) as u32)
-            }));
-            bytes += self.refine(scan, rows, page, wanted.iter().copied());
-            for &row in &wanted {
-                let i = page * PAGE + row as usize - pool.start;
-                let Some(refined) = self.refined.get(i) else { continue };
-                for (g, &upper) in refined.iter().enumerate() {
-                    let p = &mut scan.perturbed[g * pool.len() + i];
-                    *p = p.min(perturbed_upper(upper, scan.exponential_uppers[i]));
+            let keys = (page * PAGE).max(pool.start) - pool.start..((page + 1) * PAGE).min(pool.end) - pool.start;
+            let wanted = (0..n).any(|g| {
+                let perturbed = &scan.perturbed[g * pool.len()..][keys.clone()];
+                perturbed.iter().any(|&p| p >= thresholds[g])
+            });
+            if !wanted {
+                continue;
+            }
+            bytes += self.refine_page(scan, rows, page);
+            let Some(refined) = self.refined.get(page - pool.start / PAGE) else { continue };
+            let first_row = (pool.start + keys.start) % PAGE;
+            for (g, refined) in refined.chunks_exact(PAGE).enumerate() {
+                let perturbed = &mut scan.perturbed[g * pool.len()..][keys.clone()];
+                let exponentials = &scan.exponential_uppers[keys.clone()];
+                for ((p, &upper), &e) in perturbed.iter_mut().zip(&refined[first_row..]).zip(exponentials) {
+                    *p = p.min(perturbed_upper(upper, e));
                 }
             }
         }
@@ -310,10 +318,6 @@ impl GroupReads {
 fn perturbed_upper(upper: f32, e: f32) -> f32 {
     (upper + e) + (upper.abs() + e) * 2f32.powi(-22)
 }
-
-/// Runs of keys to score this close are read as one, the keys between them
-/// included: a kernel call costs about as much as reading a few keys.
-const RUN_GAP: usize = 8;
 
 /// The sketch bytes a scan of one page reads: the channels' minima and steps,
 /// and the coarse codes (4 bits a channel, 2 in the 2-bit mode).
@@ -336,7 +340,6 @@ pub struct CacheHead<'a> {
     scan: &'a GroupScan,
     g: usize,
     reads: &'a mut GroupReads,
-    runs: Vec<Range<usize>>,
     pub bytes: HeadBytes,
 }
 
@@ -352,7 +355,7 @@ impl<'a> CacheHead<'a> {
         reads: &'a mut GroupReads,
     ) -> Self {
         let rows = HeadRows::new(call, kv_head);
-        Self { rows, split, scan, g, reads, runs: Vec::new(), bytes: HeadBytes::default() }
+        Self { rows, split, scan, g, reads, bytes: HeadBytes::default() }
     }
 
     fn cache(&self) -> &'a PagedLayer {
@@ -369,36 +372,49 @@ impl<'a> CacheHead<'a> {
         }
     }
 
-    /// Reads those of `keys` (numbered as in [`GroupReads`], ascending,
-    /// at `position(key)`, consecutive keys at consecutive positions) that
-    /// no head has read yet, and scores them for every head of the group, a
-    /// run of keys per kernel call (runs closer than [`RUN_GAP`] read the
-    /// keys between them too); counts their bytes here.
+    /// Reads those of `keys` (numbered as in [`GroupReads`]) at
+    /// `position(key)` that no head has read yet, and scores them for every
+    /// head of the group: exact rows gathered end to end for one kernel
+    /// call, coded rows in place; counts their bytes here.
     fn read_scores(&mut self, keys: impl Iterator<Item = usize>, position: impl Fn(usize) -> usize) {
-        let n = self.scan.n_gqa;
-        self.runs.clear();
-        for key in keys.filter(|&key| self.reads.scores.get(key).is_none()) {
-            match self.runs.last_mut() {
-                Some(run) if key - run.end < RUN_GAP => run.end = key + 1,
-                _ => self.runs.push(key..key + 1),
+        let (n, dim, kernels) = (self.scan.n_gqa, self.rows.dim_k, simd::kernels());
+        let reads = &mut *self.reads;
+        reads.gathered.clear();
+        reads.gathered_keys.clear();
+        for key in keys {
+            if reads.scores.get(key).is_some() {
+                continue;
             }
-        }
-        let dim = self.rows.dim_k;
-        for k in 0..self.runs.len() {
-            let run = self.runs[k].clone();
-            let positions = position(run.start)..position(run.start) + run.len();
-            self.reads.dots.resize(n * run.len(), 0.0);
-            let rows = self.cache().key_rows(self.rows.head, positions.clone()).map(Stretch::from);
-            read::score(simd::kernels(), dim, &self.scan.queries, rows, &mut self.reads.dots, run.len());
-            for (j, key) in run.clone().enumerate() {
-                let scorer = self.scan.scorer;
-                let dots = &self.reads.dots;
-                let scores = self.reads.scores.set(key);
-                for (h, score) in scores.iter_mut().enumerate() {
-                    *score = scorer.score(dots[h * run.len() + j]);
+            let pos = position(key);
+            match self.rows.cache.key_rows(self.rows.head, pos..pos + 1).next().expect("one row") {
+                Rows::Exact(row) => {
+                    reads.gathered.extend_from_slice(row);
+                    reads.gathered_keys.push(key);
+                    self.bytes.keys += std::mem::size_of_val(row);
+                }
+                Rows::Coded(sketch, rows) => {
+                    self.bytes.keys += sketch.bytes() / PAGE;
+                    reads.dots.resize(n, 0.0);
+                    let coded = std::iter::once(read::Stretch::Coded(sketch, rows));
+                    read::score(kernels, dim, &self.scan.queries, coded, &mut reads.dots, 1);
+                    let scorer = self.scan.scorer;
+                    for (score, &dot) in reads.scores.set(key).iter_mut().zip(&reads.dots) {
+                        *score = scorer.score(dot);
+                    }
                 }
             }
-            self.bytes.keys += self.rows.key_bytes(&[positions]);
+        }
+        let m = reads.gathered_keys.len();
+        if m == 0 {
+            return;
+        }
+        reads.dots.resize(n * m, 0.0);
+        kernels.scores_f16(dim, &self.scan.queries, &reads.gathered, &mut reads.dots, m);
+        for (j, &key) in reads.gathered_keys.iter().enumerate() {
+            let scorer = self.scan.scorer;
+            for (h, score) in reads.scores.set(key).iter_mut().enumerate() {
+                *score = scorer.score(reads.dots[h * m + j]);
+            }
         }
     }
 
@@ -408,21 +424,32 @@ impl<'a> CacheHead<'a> {
     }
 
     fn value_at(&mut self, pos: usize, out: &mut [f32]) {
-        self.cache().value(self.rows.head, pos, out);
-        self.bytes.values += self.rows.value_bytes(std::slice::from_ref(&(pos..pos + 1)));
+        match self.cache().value_rows(self.rows.head, pos..pos + 1).next().expect("one row") {
+            Rows::Exact(row) => {
+                // The weighted sum of the row alone with the weight 1 is the
+                // row in f32, exactly.
+                out.fill(0.0);
+                simd::kernels().add_weighted_f16(self.rows.dim_v, &[1.0], 1, row, out);
+                self.bytes.values += std::mem::size_of_val(row);
+            }
+            Rows::Coded(values, rows) => {
+                values.dequantize(rows.start, out);
+                self.bytes.values += values.bytes() / PAGE;
+            }
+        }
     }
 
-    /// Refines the pool keys of `indices` (ascending) that no head has
-    /// refined, for every head of the group, page by page.
+    /// Refines the pages holding the pool keys of `indices` (ascending)
+    /// that no head has refined, for every head of the group.
     fn read_refinements(&mut self, indices: &[u32]) {
         let start = self.split.pool.start;
-        let mut k = 0;
-        while k < indices.len() {
-            let page = (start + indices[k] as usize) / PAGE;
-            let end = k + indices[k..].iter().take_while(|&&i| (start + i as usize) / PAGE == page).count();
-            let rows = indices[k..end].iter().map(|&i| ((start + i as usize) % PAGE) as u32);
-            self.bytes.keys += self.reads.refine(self.scan, self.rows, page, rows);
-            k = end;
+        let mut last = None;
+        for &i in indices {
+            let page = (start + i as usize) / PAGE;
+            if last != Some(page) {
+                self.bytes.keys += self.reads.refine_page(self.scan, self.rows, page);
+                last = Some(page);
+            }
         }
     }
 }
@@ -471,8 +498,8 @@ impl HeadKeys for CacheHead<'_> {
         self.read_refinements(indices);
         for (o, &i) in out.iter_mut().zip(indices) {
             let i = i as usize;
-            *o = match self.reads.refined.get(i) {
-                Some(upper) => f64::from(perturbed_upper(upper[self.g], self.scan.exponential_uppers[i])),
+            *o = match self.reads.refined(self.scan, self.g, i) {
+                Some(upper) => f64::from(perturbed_upper(upper, self.scan.exponential_uppers[i])),
                 None => f64::INFINITY,
             };
         }
