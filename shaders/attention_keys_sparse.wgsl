@@ -24,6 +24,9 @@ struct Span {
     column0: u32,
     columns: u32,
     len: u32,
+    // Every block up to the query block's own is listed: the keys are the
+    // positions 0 .. len in order, and need not be read from the list.
+    every: bool,
 }
 
 // The keys of queries t_first ..= t_last, which lie in one query block.
@@ -34,10 +37,15 @@ fn key_span(kv_head: u32, t_first: u32, t_last: u32) -> Span {
     let blocks = block_offsets[at + 1u] - block0;
     let column0 = column_offsets[at];
     let columns = column_offsets[at + 1u] - column0;
-    return Span(block0, blocks, column0, columns, blocks * INDEX_BLOCK + columns);
+    // Distinct blocks at or before the query block's, as many as there are.
+    let every = blocks == t_first / INDEX_BLOCK + 1u;
+    return Span(block0, blocks, column0, columns, blocks * INDEX_BLOCK + columns, every);
 }
 
 fn key_at(span: Span, e: u32) -> u32 {
+    if span.every {
+        return select(NO_KEY, e, e < span.len);
+    }
     let in_blocks = span.blocks * INDEX_BLOCK;
     if e < in_blocks {
         return block_list[span.block0 + e / INDEX_BLOCK] * INDEX_BLOCK + e % INDEX_BLOCK;

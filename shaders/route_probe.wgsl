@@ -1,120 +1,312 @@
-// RouteSparse's probe and index builders, from the f16 queries of a chunk
-// (Q [n][n_head][D], row t at t − pos0) and the resident keys (K
-// [positions][n_kv_head][D]), after route_row_stats.wgsl has given each probe
-// row's softmax statistics (m, l) per query head. Probabilities are averaged
-// over the query heads of a KV head, which share one mask.
+// RouteSparse's shared probe and vertical-slash index builder: the probe
+// rows' attention over every key, in four kernels.
 //
-// block_mass: per KV head, probe row and key block of 64, the attention mass
-//   of the block, Σ_{j in block, j <= t} p(t, j).
-// column_scores / diagonal_scores: over the first `recent` probe rows (the
-//   last queries of the prompt), Σ_rows p(t, j) per key j, and Σ_rows
-//   p(t, t − o) per diagonal offset o: MInference's vertical-slash estimate.
-// The block-sparse index builder is route_pool.wgsl and route_block_scores.wgsl.
+// tile_stats: a workgroup per (64-key block, KV head), an invocation per key.
+//   The probe's (row, query head) pairs are taken PAIRS at a time, their
+//   queries staged in workgroup memory; each invocation scores its key
+//   against all of them, and the workgroup reduces each pair's scores over
+//   its 64 keys to the block's softmax statistics (m, l = Σ exp(s − m)).
+// block_mass: a workgroup per (probe row, KV head) combines a row's block
+//   statistics into its whole-row (m, l) per query head, and writes the
+//   attention mass of every key block, l_b·exp(m_b − m) / l, averaged over the
+//   KV head's query heads (which share one mask): the pooled probe the
+//   router estimates each candidate's kept mass from.
+// recent_lines: like tile_stats, over the recent rows only, now with their
+//   whole-row statistics: each key's probability summed over the recent rows
+//   (vertical-slash's column score), and per key block the same
+//   probabilities summed along each of the 127 diagonals that cross the
+//   block's 64 × 64 tile of (recent row, key) pairs, into workgroup slots
+//   that the invocations add to row by row.
+// diagonals: an invocation per diagonal offset o = t − j adds up the (at most
+//   three) key blocks' sums for o: vertical-slash's diagonal score.
+// Scores are in f32 from f16 operands; probabilities of masked keys (j > t)
+// are 0.
 
-enable f16;
+// (row, query head) pairs scored per pass over a key block.
+const PAIRS: u32 = 16u;
 
-struct Params {
-    rows: u32,
-    recent: u32,
-    pos0: u32,
-    n_head: u32,
-    n_kv_head: u32,
-    d: u32,
-    scale: f32,
-    // Key positions (block_mass: key blocks) the outputs cover.
-    keys: u32,
-    // pool: rows of the source matrix, and its width in f16s.
-    src_rows: u32,
-    width: u32,
-    // block_scores: the first query block of the chunk, query blocks in it.
-    qb0: u32,
-    query_blocks: u32,
-}
-
-@group(0) @binding(0) var<uniform> params: Params;
-
-fn group_heads() -> u32 {
-    return params.n_head / params.n_kv_head;
-}
+// ---- tile_stats and recent_lines: scoring a key block against probe rows
 
 @group(0) @binding(1) var<storage, read> rows: array<u32>;
 @group(0) @binding(2) var<storage, read> q: array<vec4<f16>>;
 @group(0) @binding(3) var<storage, read> k: array<vec4<f16>>;
-@group(0) @binding(4) var<storage, read> stats: array<vec2<f32>>;
-@group(0) @binding(5) var<storage, read_write> out: array<f32>;
 
-// Probe row r's probability of key j, averaged over KV head kv_head's query heads.
-fn prob(r: u32, kv_head: u32, j: u32) -> f32 {
-    let t = rows[r];
-    if j > t {
-        return 0.0;
-    }
+// The staged queries, in f32 (converted once, not at every key).
+var<workgroup> q_tile: array<vec4<f32>, PAIRS * MAX_QUADS>;
+// Position of each staged pair's row (0 for pairs past the end).
+var<workgroup> pair_row: array<u32, PAIRS>;
+var<workgroup> last_row: u32;
+
+// Stages pairs first .. first + PAIRS of the `pairs` (row r, head g) = pair
+// r·heads + g of KV head kv_head, and returns the last position among them.
+fn stage(kv_head: u32, first: u32, pairs: u32, lid: u32) -> u32 {
     let heads = group_heads();
-    let quads = params.d / 4u;
-    let k_at = (j * params.n_kv_head + kv_head) * quads;
-    var p = 0.0;
-    for (var g = 0u; g < heads; g++) {
-        let head = kv_head * heads + g;
-        let q_at = ((t - params.pos0) * params.n_head + head) * quads;
-        var s = 0.0;
-        for (var i = 0u; i < quads; i++) {
-            s += dot(vec4<f32>(q[q_at + i]), vec4<f32>(k[k_at + i]));
+    let quads = quads();
+    for (var e = lid; e < PAIRS * quads; e += BLOCK) {
+        let p = first + e / quads;
+        var x = vec4<f32>(0.0);
+        if p < pairs {
+            let t = rows[p / heads];
+            x = vec4<f32>(q[((t - params.pos0) * params.n_head + kv_head * heads + p % heads) * quads + e % quads]);
         }
-        let st = stats[r * params.n_head + head];
-        p += exp(s * params.scale - st.x) / st.y;
+        q_tile[(e / quads) * MAX_QUADS + e % quads] = x;
     }
-    return p / f32(heads);
+    if lid < PAIRS {
+        var t = 0u;
+        if first + lid < pairs {
+            t = rows[(first + lid) / heads];
+        }
+        pair_row[lid] = t;
+    }
+    workgroupBarrier();
+    if lid == 0u {
+        var last = 0u;
+        for (var i = 0u; i < PAIRS; i++) {
+            last = max(last, pair_row[i]);
+        }
+        last_row = last;
+    }
+    return workgroupUniformLoad(&last_row);
 }
 
-var<workgroup> partial: array<f32, 64>;
+// The dot products of key j with four staged pairs from p.
+fn dots(p: u32, i: u32, key: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(
+        dot(q_tile[p * MAX_QUADS + i], key),
+        dot(q_tile[(p + 1u) * MAX_QUADS + i], key),
+        dot(q_tile[(p + 2u) * MAX_QUADS + i], key),
+        dot(q_tile[(p + 3u) * MAX_QUADS + i], key),
+    );
+}
 
-// Workgroup (key block, row, KV head); out [kv_head][row][key block].
-@compute @workgroup_size(64)
-fn block_mass(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let kb = group.x;
-    let r = group.y;
-    let kv_head = group.z;
-    partial[lid] = prob(r, kv_head, kb * 64u + lid);
+// The scaled scores of key j against the staged pairs, NEG_BIG where the
+// pair's row does not see it (PAIRS = 16, four to a vector).
+fn scores(kv_head: u32, j: u32) -> array<f32, PAIRS> {
+    var d0 = vec4<f32>(0.0);
+    var d1 = vec4<f32>(0.0);
+    var d2 = vec4<f32>(0.0);
+    var d3 = vec4<f32>(0.0);
+    if j < kv_len() {
+        let k_at = (j * params.n_kv_head + kv_head) * quads();
+        for (var i = 0u; i < quads(); i++) {
+            let key = vec4<f32>(k[k_at + i]);
+            d0 += dots(0u, i, key);
+            d1 += dots(4u, i, key);
+            d2 += dots(8u, i, key);
+            d3 += dots(12u, i, key);
+        }
+    }
+    var all = array<f32, PAIRS>(
+        d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w, d2.x, d2.y, d2.z, d2.w, d3.x, d3.y, d3.z, d3.w,
+    );
+    var s: array<f32, PAIRS>;
+    for (var p = 0u; p < PAIRS; p++) {
+        s[p] = select(NEG_BIG, all[p] * params.scale, j <= pair_row[p]);
+    }
+    return s;
+}
+
+// ---- tile_stats
+
+// [kv_head][row][query head of the group][key block]: (m, l) over the block.
+@group(0) @binding(4) var<storage, read_write> block_stats: array<vec2<f32>>;
+
+var<workgroup> reduce: array<f32, PAIRS * BLOCK>;
+var<workgroup> pair_max: array<f32, PAIRS>;
+
+// Reduces reduce[p][0 .. 64] for every pair p into reduce[p][0], by max or sum.
+fn reduce_pairs(lid: u32, by_max: bool) {
     workgroupBarrier();
-    for (var half_width = 32u; half_width > 0u; half_width /= 2u) {
-        if lid < half_width {
-            partial[lid] += partial[lid + half_width];
+    for (var w = BLOCK / 2u; w > 0u; w /= 2u) {
+        for (var e = lid; e < PAIRS * w; e += BLOCK) {
+            let at = (e / w) * BLOCK + e % w;
+            if by_max {
+                reduce[at] = max(reduce[at], reduce[at + w]);
+            } else {
+                reduce[at] += reduce[at + w];
+            }
         }
         workgroupBarrier();
     }
-    if lid == 0u {
-        out[(kv_head * params.rows + r) * params.keys + kb] = partial[0];
-    }
 }
 
-// Invocation per key j (x) and KV head (y); out [kv_head][j].
 @compute @workgroup_size(64)
-fn column_scores(@builtin(global_invocation_id) id: vec3<u32>) {
-    let j = id.x;
-    if j >= params.keys {
-        return;
-    }
-    var sum = 0.0;
-    for (var r = 0u; r < params.recent; r++) {
-        sum += prob(r, id.y, j);
-    }
-    out[id.y * params.keys + j] = sum;
-}
-
-// Invocation per diagonal offset o (x) and KV head (y); out [kv_head][o].
-@compute @workgroup_size(64)
-fn diagonal_scores(@builtin(global_invocation_id) id: vec3<u32>) {
-    let o = id.x;
-    if o >= params.keys {
-        return;
-    }
-    var sum = 0.0;
-    for (var r = 0u; r < params.recent; r++) {
-        let t = rows[r];
-        if t >= o {
-            sum += prob(r, id.y, t - o);
+fn tile_stats(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let kb = group.x;
+    let kv_head = group.y;
+    let j = kb * BLOCK + lid;
+    let heads = group_heads();
+    let pairs = params.rows * heads;
+    for (var first = 0u; first < pairs; first += PAIRS) {
+        let last = stage(kv_head, first, pairs, lid);
+        var m = NEG_BIG;
+        var l = 0.0;
+        // A block past every staged row is masked for all of them.
+        if kb * BLOCK <= last {
+            let s = scores(kv_head, j);
+            for (var p = 0u; p < PAIRS; p++) {
+                reduce[p * BLOCK + lid] = s[p];
+            }
+            reduce_pairs(lid, true);
+            if lid < PAIRS {
+                pair_max[lid] = reduce[lid * BLOCK];
+            }
+            workgroupBarrier();
+            for (var p = 0u; p < PAIRS; p++) {
+                reduce[p * BLOCK + lid] = select(0.0, exp(s[p] - pair_max[p]), s[p] > NEG_BIG);
+            }
+            reduce_pairs(lid, false);
+            if lid < PAIRS {
+                m = pair_max[lid];
+                l = reduce[lid * BLOCK];
+            }
         }
+        let p = first + lid;
+        if lid < PAIRS && p < pairs {
+            let r = p / heads;
+            block_stats[((kv_head * params.rows + r) * heads + p % heads) * key_blocks() + kb] = vec2<f32>(m, l);
+        }
+        workgroupBarrier();
     }
-    out[id.y * params.keys + o] = sum;
 }
 
+// ---- block_mass
+
+@group(0) @binding(1) var<storage, read> stats_in: array<vec2<f32>>;
+// [row][query head]: (m, l) over every key the row sees.
+@group(0) @binding(2) var<storage, read_write> row_stats: array<vec2<f32>>;
+// [kv_head][row][key block].
+@group(0) @binding(3) var<storage, read_write> block_mass_out: array<f32>;
+
+var<workgroup> part_m: array<f32, BLOCK>;
+var<workgroup> part_l: array<f32, BLOCK>;
+var<workgroup> head_stats: array<vec2<f32>, 8>;
+
+fn combine(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
+    let m = max(a.x, b.x);
+    return vec2<f32>(m, a.y * exp(a.x - m) + b.y * exp(b.x - m));
+}
+
+@compute @workgroup_size(64)
+fn block_mass(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = group.x;
+    let kv_head = group.y;
+    let heads = group_heads();
+    let blocks = key_blocks();
+    for (var g = 0u; g < heads; g++) {
+        let at = ((kv_head * params.rows + r) * heads + g) * blocks;
+        var acc = vec2<f32>(NEG_BIG, 0.0);
+        for (var kb = lid; kb < blocks; kb += BLOCK) {
+            acc = combine(acc, stats_in[at + kb]);
+        }
+        part_m[lid] = acc.x;
+        part_l[lid] = acc.y;
+        workgroupBarrier();
+        for (var w = BLOCK / 2u; w > 0u; w /= 2u) {
+            if lid < w {
+                let c = combine(vec2<f32>(part_m[lid], part_l[lid]), vec2<f32>(part_m[lid + w], part_l[lid + w]));
+                part_m[lid] = c.x;
+                part_l[lid] = c.y;
+            }
+            workgroupBarrier();
+        }
+        if lid == 0u {
+            head_stats[g] = vec2<f32>(part_m[0], part_l[0]);
+            row_stats[r * params.n_head + kv_head * heads + g] = head_stats[g];
+        }
+        workgroupBarrier();
+    }
+    for (var kb = lid; kb < blocks; kb += BLOCK) {
+        var mass = 0.0;
+        for (var g = 0u; g < heads; g++) {
+            let b = stats_in[((kv_head * params.rows + r) * heads + g) * blocks + kb];
+            let row = head_stats[g];
+            if b.y > 0.0 {
+                mass += b.y * exp(b.x - row.x) / row.y;
+            }
+        }
+        block_mass_out[(kv_head * params.rows + r) * blocks + kb] = mass / f32(heads);
+    }
+}
+
+// ---- recent_lines
+
+// [row][query head]: (m, l), from block_mass.
+@group(0) @binding(4) var<storage, read> recent_stats: array<vec2<f32>>;
+// [kv_head][key]: Σ over the recent rows of p(t, j).
+@group(0) @binding(5) var<storage, read_write> column_out: array<f32>;
+// [kv_head][key block][slot]: slot s sums p(t_i, j) over the block's pairs
+// with i + (j − first key of the block) = s, that is offset
+// t − j = kv_len − 1 − (first key) − s for the recent row i at t = kv_len − 1 − i.
+@group(0) @binding(6) var<storage, read_write> diagonal_parts: array<f32>;
+
+var<workgroup> slots: array<f32, 2u * BLOCK>;
+
+@compute @workgroup_size(64)
+fn recent_lines(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let kb = group.x;
+    let kv_head = group.y;
+    let j = kb * BLOCK + lid;
+    let heads = group_heads();
+    let pairs = params.recent * heads;
+    slots[lid] = 0.0;
+    slots[lid + BLOCK] = 0.0;
+    var column = 0.0;
+    // A pass holds PAIRS / heads whole rows (heads divides PAIRS).
+    for (var first = 0u; first < pairs; first += PAIRS) {
+        let last = stage(kv_head, first, pairs, lid);
+        if kb * BLOCK <= last {
+            let s = scores(kv_head, j);
+            for (var row = 0u; row < PAIRS / heads; row++) {
+                let r = first / heads + row;
+                var prob = 0.0;
+                for (var g = 0u; g < heads; g++) {
+                    let p = row * heads + g;
+                    if first + p < pairs && s[p] > NEG_BIG {
+                        let st = recent_stats[r * params.n_head + kv_head * heads + g];
+                        prob += exp(s[p] - st.x) / (st.y * f32(heads));
+                    }
+                }
+                column += prob;
+                // Lanes add to distinct slots; rows one after another.
+                if r < params.recent {
+                    slots[r + lid] += prob;
+                }
+                workgroupBarrier();
+            }
+        }
+        workgroupBarrier();
+    }
+    if j < kv_len() {
+        column_out[kv_head * kv_len() + j] = column;
+    }
+    for (var slot = lid; slot < 2u * BLOCK; slot += BLOCK) {
+        diagonal_parts[(kv_head * key_blocks() + kb) * 2u * BLOCK + slot] = slots[slot];
+    }
+}
+
+// ---- diagonals
+
+@group(0) @binding(1) var<storage, read> parts_in: array<f32>;
+// [kv_head][offset]: Σ over the recent rows of p(t, t − o).
+@group(0) @binding(2) var<storage, read_write> diagonal_out: array<f32>;
+
+@compute @workgroup_size(64)
+fn diagonals(@builtin(global_invocation_id) id: vec3<u32>) {
+    let o = id.x;
+    let kv_head = id.y;
+    if o >= kv_len() {
+        return;
+    }
+    // Key block kb holds offset o in slot top − 64·kb, for slots 0 ..= 126.
+    let top = kv_len() - 1u - o;
+    var kb = 0u;
+    if top > 2u * BLOCK - 2u {
+        kb = (top - (2u * BLOCK - 2u) + BLOCK - 1u) / BLOCK;
+    }
+    var sum = 0.0;
+    for (; kb <= top / BLOCK; kb++) {
+        sum += parts_in[(kv_head * key_blocks() + kb) * 2u * BLOCK + top - kb * BLOCK];
+    }
+    diagonal_out[kv_head * kv_len() + o] = sum;
+}

@@ -36,31 +36,6 @@ impl Noise {
     }
 }
 
-/// The paths to test on this adapter, saying which are skipped and why.
-fn paths(ctx: &GpuContext, test: &str) -> Vec<KernelPath> {
-    [KernelPath::CooperativeMatrix, KernelPath::Tiled]
-        .into_iter()
-        .filter(|path| match path.available(ctx) {
-            Ok(()) => true,
-            Err(e) => {
-                eprintln!("SKIPPED {test} on the {} path: {e}", path.name());
-                false
-            }
-        })
-        .collect()
-}
-
-/// ‖got − want‖ / ‖want‖, NaN (failing every bound) if anything is not finite.
-fn relative_error(got: &[f32], want: &[f64]) -> f64 {
-    assert_eq!(got.len(), want.len());
-    if got.iter().any(|g| !g.is_finite()) {
-        return f64::NAN;
-    }
-    let diff: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).powi(2)).sum();
-    let norm: f64 = want.iter().map(|w| w * w).sum();
-    (diff / norm).sqrt()
-}
-
 fn poisoned(ctx: &GpuContext, what: &str, len: usize) -> wgpu::Buffer {
     ctx.upload(what, &vec![f32::NAN; len]).unwrap()
 }
@@ -90,7 +65,7 @@ fn check_matmul(ctx: &GpuContext, path: KernelPath, shape: MatmulShape, noise: &
     batch.record("matmul", |pass| matmul.dispatch(pass, &bind, shape, [xb.size(), wb.size(), yb.size()])).unwrap();
     batch.submit();
     let got: Vec<f32> = ctx.read(&yb, 0, want.len()).unwrap();
-    let err = relative_error(&got, &want);
+    let err = common::relative_error(&got, &want);
     // The cooperative path rounds X to f16: about 2^-11 per product term.
     let bound = match path {
         KernelPath::CooperativeMatrix => 2e-3,
@@ -105,7 +80,7 @@ fn matmul_matches_f64_reference_with_tails() {
     let Some(ctx) = common::gpu("matmul_matches_f64_reference_with_tails") else { return };
     let mut noise = Noise(0x5eed_0001);
     let shapes = [(1, 64, 64), (5, 36, 17), (70, 256, 130), (128, 128, 128), (130, 640, 257), (300, 64, 1)];
-    for path in paths(ctx, "matmul_matches_f64_reference_with_tails") {
+    for path in common::kernel_paths(ctx, "matmul_matches_f64_reference_with_tails") {
         for (tokens, n_in, n_out) in shapes {
             check_matmul(ctx, path, MatmulShape { tokens, n_in, n_out }, &mut noise);
         }
@@ -115,7 +90,7 @@ fn matmul_matches_f64_reference_with_tails() {
 #[test]
 fn matmul_rejects_what_it_cannot_hold() {
     let Some(ctx) = common::gpu("matmul_rejects_what_it_cannot_hold") else { return };
-    let Some(&path) = paths(ctx, "matmul_rejects_what_it_cannot_hold").last() else { return };
+    let Some(&path) = common::kernel_paths(ctx, "matmul_rejects_what_it_cannot_hold").last() else { return };
     let matmul = Matmul::new(&ctx.device, path);
     let small = ctx.upload("small", &[0.0f32; 16]).unwrap();
     let bind = matmul.bind(&ctx.device, &small, &small, &small);
@@ -191,7 +166,7 @@ fn check_attention(ctx: &GpuContext, path: KernelPath, c: &Case, noise: &mut Noi
     batch.record("attention", |pass| attention.dispatch(pass, &bind, &shape, sizes)).unwrap();
     batch.submit();
     let got: Vec<f32> = ctx.read(&ob, 0, want.len()).unwrap();
-    let err = relative_error(&got, &want);
+    let err = common::relative_error(&got, &want);
     // The cooperative path rounds the probabilities to f16.
     let bound = match path {
         KernelPath::CooperativeMatrix => 3e-3,
@@ -227,7 +202,7 @@ fn attention_matches_f64_reference() {
         case(33, 90, 8, 2, 128, Some(40)),
         case(20, 0, 3, 1, 64, None),
     ];
-    for path in paths(ctx, "attention_matches_f64_reference") {
+    for path in common::kernel_paths(ctx, "attention_matches_f64_reference") {
         for c in &cases {
             check_attention(ctx, path, c, &mut noise);
         }
@@ -237,7 +212,7 @@ fn attention_matches_f64_reference() {
 #[test]
 fn attention_rejects_bad_shapes() {
     let Some(ctx) = common::gpu("attention_rejects_bad_shapes") else { return };
-    let Some(&path) = paths(ctx, "attention_rejects_bad_shapes").last() else { return };
+    let Some(&path) = common::kernel_paths(ctx, "attention_rejects_bad_shapes").last() else { return };
     assert!(Attention::new(&ctx.device, path, 100, 1).is_err());
     let attention = Attention::new(&ctx.device, path, 128, 4).unwrap();
     let b = ctx.upload("b", &[0.0f32; 1024]).unwrap();

@@ -63,6 +63,9 @@ pub struct GpuProfileArgs {
     /// --compare: the routed layer's budget, a fraction of dense time
     #[arg(long, default_value_t = 0.25)]
     prefill_budget: f64,
+    /// --compare: dense fallback when a KV head's lower mass bound is under this
+    #[arg(long, default_value_t = 0.95)]
+    prefill_tau: f64,
 }
 
 pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
@@ -103,7 +106,7 @@ pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
         }
     };
     for &n in &args.compare {
-        compare(&ctx, path, shape, n, &profile, args.prefill_budget)?;
+        compare(&ctx, path, shape, n, &profile, (args.prefill_budget, args.prefill_tau))?;
     }
     Ok(())
 }
@@ -133,8 +136,8 @@ fn print_profile(profile: &LatencyProfile) {
 /// directions, so a query favours the keys near it) and heavy hitters (the
 /// first 4 keys and every 997th get a component every query favours), more
 /// or less sharp per KV head.
-fn synthetic(n: usize, hq: usize, hk: usize, d: usize, rows: usize) -> [Vec<f16>; 3] {
-    let mut state = 0x2545_f491_4f6c_dd1du64;
+fn synthetic(n: usize, hq: usize, hk: usize, d: usize, rows: usize, seed: u64) -> [Vec<f16>; 3] {
+    let mut state = 0x2545_f491_4f6c_dd1du64 ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15);
     let mut noise = move || {
         state ^= state << 13;
         state ^= state >> 7;
@@ -185,19 +188,18 @@ fn synthetic(n: usize, hq: usize, hk: usize, d: usize, rows: usize) -> [Vec<f16>
     [q, k, v]
 }
 
-/// Dense against routed attention at `n` positions on synthetic inputs.
+/// Dense against routed attention at `n` positions on synthetic inputs, δ
+/// calibrated first on synthetic inputs of another seed.
 fn compare(
     ctx: &GpuContext,
     path: KernelPath,
     (hq, hk, d): (u32, u32, u32),
     n: u32,
     profile: &LatencyProfile,
-    budget: f64,
+    (budget, tau): (f64, f64),
 ) -> anyhow::Result<()> {
     eprintln!("gpu-profile: comparing at {n} tokens");
     let dense = Attention::new(&ctx.device, path, d, hq / hk)?;
-    let settings = RouteSettings { budget, audit: true, ..RouteSettings::default() };
-    let routed = RoutedAttention::new(ctx, path, (d, hq / hk), settings, Some(profile.clone()))?;
     // Chunks whose f32 output fits one binding, in whole blocks.
     let binding = ctx.limits.max_storage_buffer_binding_size.min(ctx.limits.max_buffer_size);
     let chunk = ((binding / (hq * d * 4) as u64) as u32 / BLOCK * BLOCK).min(n.next_multiple_of(BLOCK));
@@ -206,41 +208,24 @@ fn compare(
         .step_by(chunk as usize)
         .map(|pos0| AttentionShape { n: chunk.min(n - pos0), pos0, n_head: hq, n_kv_head: hk, window: None, scale })
         .collect();
-    let padded = n.next_multiple_of(BLOCK) as usize;
-    let [q, k, v] = synthetic(n as usize, hq as usize, hk as usize, d as usize, padded);
-    let q_row = hq as usize * d as usize;
-    let kb = ctx.upload("k", &k)?;
-    let vb = ctx.upload("v", &v)?;
-    let o = ctx.storage::<f32>("o", chunk.next_multiple_of(BLOCK) as usize * q_row)?;
-    let mut dense_ms = 0.0;
-    for shape in &shapes {
-        let rows = shape.n.next_multiple_of(BLOCK) as usize;
-        let mut chunk_q =
-            q[shape.pos0 as usize * q_row..][..(rows * q_row).min(q.len() - shape.pos0 as usize * q_row)].to_vec();
-        chunk_q.resize(rows * q_row, f16::ZERO);
-        let qb = ctx.upload("q", &chunk_q)?;
-        let bind = dense.bind(&ctx.device, &qb, &kb, &vb, &o);
-        let sizes = [qb.size(), kb.size(), vb.size(), o.size()];
-        let mut samples = Vec::new();
-        for _ in 0..2 {
-            let mut batch = ctx.batch();
-            batch.mark();
-            batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes))?;
-            batch.mark();
-            let started = Instant::now();
-            let marks = batch.submit_timed()?;
-            samples
-                .push(marks.and_then(|m| m.first().copied()).unwrap_or_else(|| started.elapsed().as_secs_f64() * 1e3));
-        }
-        dense_ms += samples[1];
-        routed.attend(ctx, 0, shape, [&qb, &kb, &vb, &o], &dense, d as usize)?;
-        ctx.recycle(qb);
-    }
+    let synthetic =
+        |seed| synthetic(n as usize, hq as usize, hk as usize, d as usize, n.next_multiple_of(BLOCK) as usize, seed);
+    let calibration = RouteSettings { pattern: Some(Pattern::AShape), calibrate: true, ..RouteSettings::default() };
+    let calibrating = RoutedAttention::new(ctx, path, (d, hq / hk), calibration, None)?;
+    attend_synthetic(ctx, &calibrating, &dense, (&shapes, d as usize), &synthetic(1), false)?;
+    let residuals = calibrating.residuals.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let delta =
+        CalibrationFile::from_residuals(&residuals, 0.95, "synthetic".into(), vec!["seed 1".into()], n as usize)
+            .map_or(RouteSettings::default().delta, |c| c.delta);
+    eprintln!("gpu-profile: δ = {delta:.4} from {} residuals on another seed", residuals.len());
+    let settings = RouteSettings { budget, tau, delta, audit: true, ..RouteSettings::default() };
+    let routed = RoutedAttention::new(ctx, path, (d, hq / hk), settings, Some(profile.clone()))?;
+    let dense_ms = attend_synthetic(ctx, &routed, &dense, (&shapes, d as usize), &synthetic(0), true)?;
     let mut report = routed.report.lock().unwrap_or_else(|p| p.into_inner());
     report.summarize();
     let routed_ms = report.timing.routed_wall_ms;
     println!(
-        "compare N={n} {hq}/{hk} heads d={d}: dense {dense_ms:.2} ms (GPU timestamps), routed {routed_ms:.2} ms \
+        "compare N={n} {hq}/{hk} heads d={d}, τ {tau}, δ {delta:.4}: dense {dense_ms:.2} ms (GPU timestamps), routed {routed_ms:.2} ms \
          (wall clock, readbacks included; of it probe {:.2} + index {:.2} GPU, routing {:.2} CPU, kernel {:.2} GPU): {:.2}x",
         report.timing.probe_ms,
         report.timing.index_ms,
@@ -248,6 +233,7 @@ fn compare(
         report.timing.kernel_ms,
         dense_ms / routed_ms
     );
+    println!("  probe and index kernels (GPU ms): {:?}", report.timing.probe_kernels_ms);
     for layer in &report.layers {
         for h in &layer.heads {
             let a = h.audit.as_ref();
@@ -275,10 +261,56 @@ fn compare(
         report.summary.layers_within_budget,
         report.layers.len()
     );
+    Ok(())
+}
+
+/// Runs `routed` over the chunks `shapes` of the synthetic `[q, k, v]` (heads
+/// of `d` dimensions), and with `time_dense` the dense kernel first on each,
+/// whose GPU time it returns.
+fn attend_synthetic(
+    ctx: &GpuContext,
+    routed: &RoutedAttention,
+    dense: &Attention,
+    (shapes, d): (&[AttentionShape], usize),
+    [q, k, v]: &[Vec<f16>; 3],
+    time_dense: bool,
+) -> anyhow::Result<f64> {
+    let q_row = shapes[0].n_head as usize * d;
+    let widest = shapes.iter().map(|s| s.n.next_multiple_of(BLOCK) as usize).max().unwrap_or(0);
+    let kb = ctx.upload("k", k)?;
+    let vb = ctx.upload("v", v)?;
+    let o = ctx.storage::<f32>("o", widest * q_row)?;
+    let mut dense_ms = 0.0;
+    for shape in shapes {
+        let rows = shape.n.next_multiple_of(BLOCK) as usize;
+        let first = shape.pos0 as usize * q_row;
+        let mut chunk_q = q[first..][..(rows * q_row).min(q.len() - first)].to_vec();
+        chunk_q.resize(rows * q_row, f16::ZERO);
+        let qb = ctx.upload("q", &chunk_q)?;
+        if time_dense {
+            let bind = dense.bind(&ctx.device, &qb, &kb, &vb, &o);
+            let sizes = [qb.size(), kb.size(), vb.size(), o.size()];
+            let mut samples = Vec::new();
+            for _ in 0..2 {
+                let mut batch = ctx.batch();
+                batch.mark();
+                batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes))?;
+                batch.mark();
+                let started = Instant::now();
+                let marks = batch.submit_timed()?;
+                samples.push(
+                    marks.and_then(|m| m.first().copied()).unwrap_or_else(|| started.elapsed().as_secs_f64() * 1e3),
+                );
+            }
+            dense_ms += samples[1];
+        }
+        routed.attend(ctx, 0, shape, [&qb, &kb, &vb, &o], dense, d)?;
+        ctx.recycle(qb);
+    }
     for b in [kb, vb, o] {
         ctx.recycle(b);
     }
-    Ok(())
+    Ok(dense_ms)
 }
 
 /// `--calibrate`: δ from dense runs on the texts.

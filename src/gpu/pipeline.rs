@@ -156,12 +156,7 @@ mod tests {
                 }
             }
         }
-        for shader in ["route_probe", "route_pool", "route_block_scores"] {
-            let source =
-                std::fs::read_to_string(format!("{}/shaders/{shader}.wgsl", env!("CARGO_MANIFEST_DIR"))).unwrap();
-            modules.push((shader.to_string(), source));
-        }
-        modules.extend(crate::gpu::route::probe::row_stats_sources());
+        modules.extend(crate::gpu::route::probe::shader_sources());
         for (name, source) in modules {
             eprintln!("{name}");
             let module = naga::front::wgsl::parse_str(&source)

@@ -57,6 +57,8 @@ pub struct Timing {
     /// Index builders: last-query column and diagonal scores, pooled block scores,
     /// selection and upload of the key lists.
     pub index_ms: f64,
+    /// The probe's and index builders' kernels one by one, GPU milliseconds.
+    pub probe_kernels_ms: std::collections::BTreeMap<String, f64>,
     /// The router, on the CPU.
     pub routing_ms: f64,
     /// The attention kernels themselves.

@@ -121,6 +121,32 @@ pub fn check_isa_under_test() {
     }
 }
 
+/// The GPU kernel paths to test on this adapter, saying which are skipped and why.
+pub fn kernel_paths(ctx: &sift::gpu::GpuContext, test: &str) -> Vec<sift::gpu::KernelPath> {
+    use sift::gpu::KernelPath;
+    [KernelPath::CooperativeMatrix, KernelPath::Tiled]
+        .into_iter()
+        .filter(|path| match path.available(ctx) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("SKIPPED {test} on the {} path: {e}", path.name());
+                false
+            }
+        })
+        .collect()
+}
+
+/// ‖got − want‖ / ‖want‖, NaN (failing every bound) if anything is not finite.
+pub fn relative_error(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    if got.iter().any(|g| !g.is_finite()) {
+        return f64::NAN;
+    }
+    let diff: f64 = got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).powi(2)).sum();
+    let norm: f64 = want.iter().map(|w| w * w).sum();
+    (diff / norm).sqrt()
+}
+
 /// The GPU the GPU tests run on, opened once (a software renderer such as
 /// lavapipe counts). `None`, with a visible message, where Vulkan lists no
 /// adapter; with `SIFT_GPU_TESTS=required` (CI, which installs lavapipe) a

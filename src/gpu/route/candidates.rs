@@ -1,19 +1,21 @@
-//! The pattern library with its budget grids, each candidate's mask built
+//! The pattern library with its budget grids, each candidate's mask made
 //! from the probe's scores, and its mass estimate and risk.
 //!
 //! A candidate is a pattern and a budget in the pattern's own units:
 //! A-shape (sink blocks, local blocks), vertical-slash (columns, diagonals),
-//! block-sparse (key blocks per query block). Its mask for one KV head comes
-//! from the index builders' scores (top columns and diagonals of the recent
-//! queries, top pooled blocks per query block); its mass estimate m̂ is the
+//! block-sparse (key blocks per query block besides the sink block and the
+//! diagonal). Its mask for one KV head comes from the index builders' scores
+//! (the top columns and diagonals of the recent queries, ranked once per head
+//! in [`HeadLines`]; the top pooled blocks per query block, ranked on the GPU),
+//! as a prefix of those rankings, so making it costs little; its mass estimate m̂ is the
 //! probe's: for each probe row, the block masses of the blocks the mask lists
 //! for the row's query block, plus the mass of its single columns, which the
 //! probe resolves only on its recent rows (their column scores stand in for
 //! every row). m̂ is the mean of the three probe subsets' means, and the
 //! disagreement u their spread (largest minus smallest), so R = 1 − m̂ + α·u.
 
-use super::index::Mask;
-use super::probe::{Probe, ProbeRows, Subset};
+use super::index::{BlockSparse, Mask, VerticalSlash};
+use super::probe::{Probe, ProbeRows, Subset, TOP_BLOCKS};
 use crate::gpu::attention::BLOCK;
 
 /// A pattern of the library.
@@ -96,43 +98,63 @@ impl Candidate {
             .collect()
     }
 
-    /// This candidate's mask for KV head `h` of `probe`'s chunk, whose first
-    /// query block is `qb0`.
-    pub fn mask(&self, probe: &Probe, h: usize, qb0: usize) -> Mask {
+    /// This candidate's mask for KV head `h` of `probe`'s chunk, whose ranked
+    /// lines are `lines`.
+    pub fn mask(&self, probe: &Probe, lines: &HeadLines, h: usize) -> Mask {
+        let [a, b] = self.budget.map(|x| x as usize);
         match self.pattern {
             Pattern::Dense => Mask::Dense,
             Pattern::AShape => Mask::AShape { sink_blocks: self.budget[0], local_blocks: self.budget[1] },
-            Pattern::VerticalSlash => {
-                let keys = probe.column_scores.len() / probe.kv_heads;
-                let mut columns = top(&probe.column_scores[h * keys..][..keys], self.budget[0] as usize);
-                let mut diagonals = top(&probe.diagonal_scores[h * keys..][..keys], self.budget[1] as usize);
-                columns.sort_unstable();
-                diagonals.sort_unstable();
-                Mask::VerticalSlash { columns, diagonals }
-            }
-            Pattern::BlockSparse => {
-                let kb = probe.key_blocks;
-                let mut blocks = vec![Vec::new(); qb0];
-                for b in 0..probe.query_blocks {
-                    let scores = &probe.block_scores[(h * probe.query_blocks + b) * kb..][..kb];
-                    let causal = &scores[..=(qb0 + b).min(kb - 1)];
-                    let mut chosen = top(causal, self.budget[0] as usize);
-                    chosen.sort_unstable();
-                    blocks.push(chosen);
-                }
-                Mask::BlockSparse { blocks }
-            }
+            Pattern::VerticalSlash => Mask::VerticalSlash(VerticalSlash::new(
+                lines.columns[..a.min(lines.columns.len())].to_vec(),
+                lines.diagonals[..b.min(lines.diagonals.len())].to_vec(),
+            )),
+            Pattern::BlockSparse => Mask::BlockSparse(BlockSparse::ranked(
+                probe.top_blocks.clone(),
+                h * probe.query_blocks * TOP_BLOCKS,
+                TOP_BLOCKS,
+                probe.first_query_block as u32,
+                a,
+            )),
         }
     }
 }
 
-/// The indices of the `k` largest of `scores` (all of them when fewer).
-fn top(scores: &[f32], k: usize) -> Vec<u32> {
-    let mut order: Vec<u32> = (0..scores.len() as u32).collect();
-    if k < order.len() {
-        order.select_nth_unstable_by(k, |&a, &b| scores[b as usize].total_cmp(&scores[a as usize]));
-        order.truncate(k);
+/// One KV head's vertical-slash evidence: the key positions and diagonal
+/// offsets with the largest scores, as many as the largest budget takes,
+/// best first.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeadLines {
+    pub columns: Vec<u32>,
+    pub diagonals: Vec<u32>,
+}
+
+impl HeadLines {
+    pub fn new(probe: &Probe, h: usize) -> Self {
+        let most = |i: usize| Pattern::VerticalSlash.budgets().iter().map(|b| b[i] as usize).max().unwrap_or(0);
+        Self { columns: ranked(probe.columns(h), most(0)), diagonals: ranked(probe.diagonals(h), most(1)) }
     }
+}
+
+/// The indices of the `k` largest of `scores` (all of them when fewer), best
+/// first, ties by index.
+fn ranked(scores: &[f32], k: usize) -> Vec<u32> {
+    let all = 0..scores.len() as u32;
+    let mut order: Vec<u32> = match k < scores.len() {
+        // The k-th largest value first, on the values themselves; then the
+        // positions above it, and as many equal to it as there is room for.
+        true if k > 0 => {
+            let mut values = scores.to_vec();
+            let kth = *values.select_nth_unstable_by(scores.len() - k, f32::total_cmp).1;
+            let mut order: Vec<u32> = all.clone().filter(|&i| scores[i as usize].total_cmp(&kth).is_gt()).collect();
+            let room = k - order.len();
+            order.extend(all.filter(|&i| scores[i as usize].total_cmp(&kth).is_eq()).take(room));
+            order
+        }
+        true => Vec::new(),
+        false => all.collect(),
+    };
+    order.sort_unstable_by(|&a, &b| scores[b as usize].total_cmp(&scores[a as usize]).then(a.cmp(&b)));
     order
 }
 
@@ -157,15 +179,14 @@ pub fn estimate(mask: &Mask, probe: &Probe, rows: &ProbeRows, h: usize) -> Estim
     if *mask == Mask::Dense {
         return Estimate { mass: 1.0, disagreement: 0.0 };
     }
-    let keys = probe.column_scores.len() / probe.kv_heads;
-    let columns = &probe.column_scores[h * keys..][..keys];
-    let (mut blocks, mut single, mut seen) = (Vec::new(), Vec::new(), Vec::new());
+    let columns = probe.columns(h);
+    let (mut blocks, mut single) = (Vec::new(), Vec::new());
     let mut sums = [(0.0f64, 0usize); 3];
     let mut last_block = u32::MAX;
     for (r, (&t, &subset)) in rows.positions.iter().zip(&rows.subsets).enumerate() {
         if t / BLOCK != last_block {
             last_block = t / BLOCK;
-            mask.keys(last_block, &mut blocks, &mut single, &mut seen);
+            mask.keys(last_block, &mut blocks, &mut single);
         }
         let mass = probe.mass(h, r);
         let in_blocks: f64 = blocks.iter().map(|&kb| mass[kb as usize] as f64).sum();
@@ -191,11 +212,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn top_picks_the_largest() {
-        let mut t = top(&[0.1, 0.5, 0.3, 0.9], 2);
-        t.sort();
-        assert_eq!(t, vec![1, 3]);
-        assert_eq!(top(&[1.0], 5), vec![0]);
+    fn ranked_puts_the_largest_first() {
+        assert_eq!(ranked(&[0.1, 0.5, 0.3, 0.9], 2), vec![3, 1]);
+        assert_eq!(ranked(&[0.2, 0.5, 0.2], 5), vec![1, 0, 2]);
+        assert_eq!(ranked(&[1.0], 5), vec![0]);
+        assert_eq!(ranked(&[0.3, 0.7, 0.3, 0.3], 3), vec![1, 0, 2]);
+        assert_eq!(ranked(&[0.3, 0.7], 0), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn the_largest_block_sparse_budget_is_what_the_gpu_selects() {
+        let most = Pattern::BlockSparse.budgets().iter().map(|b| b[0] as usize).max();
+        assert_eq!(most, Some(TOP_BLOCKS));
     }
 
     #[test]

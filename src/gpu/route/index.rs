@@ -9,14 +9,21 @@
 //! mask applies; nothing else is masked. A-shape and vertical-slash are thus
 //! the block-granular forms MInference's kernels compute: a diagonal offset
 //! `o` selected for a query block covers the key blocks that the keys
-//! `t − o` of its 64 queries fall in.
+//! `t − o` of its 64 queries fall in, which are the same distances
+//! ⌊o/64⌋ and ⌈o/64⌉ behind it for every query block.
 //!
-//! [`SparseIndex`] lays the masks of all KV heads out as the kernel reads them
+//! A mask is a description, cheap to make: the router makes one per
+//! candidate and reads only the query blocks its probe rows are in; the key
+//! lists of every query block are spelt out only for the masks chosen.
+//! [`SparseIndex`] lays those out as the kernel reads them
 //! (`shaders/attention_keys_sparse.wgsl`): CSR offsets per (KV head, query
 //! block) into one list of key blocks and one list of single positions.
 
+use std::sync::Arc;
+
 use half::f16;
 
+use super::probe::NO_BLOCK;
 use crate::gpu::attention::{IndexBuffers, BLOCK};
 use crate::gpu::{GpuContext, GpuError};
 
@@ -29,57 +36,151 @@ pub enum Mask {
     Dense,
     /// The first `sink_blocks` key blocks and the `local_blocks` up to and
     /// including the diagonal block.
-    AShape { sink_blocks: u32, local_blocks: u32 },
-    /// Selected key positions (`columns`) for every query at or after them, and
-    /// selected diagonal offsets (`diagonals`, `t − j`), each covering the key
-    /// blocks its band crosses in a query block.
-    VerticalSlash { columns: Vec<u32>, diagonals: Vec<u32> },
-    /// Per query block, the key blocks selected (ascending; block 0 and the
-    /// diagonal are added).
-    BlockSparse { blocks: Vec<Vec<u32>> },
+    AShape {
+        sink_blocks: u32,
+        local_blocks: u32,
+    },
+    VerticalSlash(VerticalSlash),
+    BlockSparse(BlockSparse),
+}
+
+/// Selected key positions (columns) for every query at or after them, and
+/// selected diagonal offsets (`t − j`), each covering the key blocks its band
+/// crosses in a query block.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VerticalSlash {
+    /// Ascending.
+    pub columns: Vec<u32>,
+    /// Ascending.
+    pub diagonals: Vec<u32>,
+    /// The distinct distances, in key blocks behind the query block, that
+    /// the diagonals cover; ascending.
+    distances: Vec<u32>,
+}
+
+impl VerticalSlash {
+    pub fn new(mut columns: Vec<u32>, mut diagonals: Vec<u32>) -> Self {
+        columns.sort_unstable();
+        columns.dedup();
+        diagonals.sort_unstable();
+        diagonals.dedup();
+        let mut distances: Vec<u32> = diagonals.iter().flat_map(|&o| [o / BLOCK, o.div_ceil(BLOCK)]).collect();
+        distances.sort_unstable();
+        distances.dedup();
+        Self { columns, diagonals, distances }
+    }
+}
+
+/// Per query block, selected key blocks: the first `budget` of its list
+/// (lists in the probe's layout: best first, [`NO_BLOCK`] past their end).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockSparse {
+    lists: Arc<[u32]>,
+    /// Where query block `first_block`'s list starts in `lists`, and the
+    /// distance from one list to the next.
+    offset: usize,
+    stride: usize,
+    first_block: u32,
+    budget: usize,
+}
+
+impl BlockSparse {
+    /// Explicit key blocks per query block from block 0 (blocks past the
+    /// diagonal are ignored).
+    pub fn new(blocks: &[Vec<u32>]) -> Self {
+        let stride = blocks.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let lists: Vec<u32> =
+            blocks.iter().flat_map(|b| b.iter().copied().chain(std::iter::repeat(NO_BLOCK)).take(stride)).collect();
+        Self { lists: lists.into(), offset: 0, stride, first_block: 0, budget: stride }
+    }
+
+    /// The first `budget` entries of each list in `lists[offset..]`, lists
+    /// `stride` apart, the first for query block `first_block`.
+    pub fn ranked(lists: Arc<[u32]>, offset: usize, stride: usize, first_block: u32, budget: usize) -> Self {
+        Self { lists, offset, stride, first_block, budget: budget.min(stride) }
+    }
+
+    /// Query block `b`'s selected key blocks (unordered, at most `budget`).
+    fn selected(&self, b: u32) -> impl Iterator<Item = u32> + '_ {
+        let list = match b.checked_sub(self.first_block) {
+            Some(i) if self.offset + (i as usize + 1) * self.stride <= self.lists.len() => {
+                &self.lists[self.offset + i as usize * self.stride..][..self.budget]
+            }
+            _ => &[][..],
+        };
+        list.iter().copied().take_while(|&kb| kb != NO_BLOCK).filter(move |&kb| kb <= b)
+    }
 }
 
 impl Mask {
     /// The key blocks and single positions of query block `b` (both ascending,
     /// no position in both), into `blocks` and `columns` (cleared first).
-    /// `seen` is scratch of at least `b + 1` entries.
-    pub fn keys(&self, b: u32, blocks: &mut Vec<u32>, columns: &mut Vec<u32>, seen: &mut Vec<bool>) {
+    pub fn keys(&self, b: u32, blocks: &mut Vec<u32>, columns: &mut Vec<u32>) {
         blocks.clear();
         columns.clear();
-        let n = b as usize + 1;
-        seen.clear();
-        seen.resize(n, false);
-        seen[0] = true;
-        seen[b as usize] = true;
         match self {
-            Mask::Dense => seen.fill(true),
+            Mask::Dense => blocks.extend(0..=b),
             Mask::AShape { sink_blocks, local_blocks } => {
-                seen[..(*sink_blocks as usize).min(n)].fill(true);
-                seen[n.saturating_sub(*local_blocks as usize)..].fill(true);
+                let local = (b + 1).saturating_sub(*local_blocks);
+                blocks.extend(0..(*sink_blocks).min(local));
+                blocks.extend(local..=b);
             }
-            Mask::VerticalSlash { diagonals, .. } => {
-                let first = b as i64 * B as i64;
-                for &o in diagonals {
-                    let (lo, hi) = (first - o as i64, first + B as i64 - 1 - o as i64);
-                    if hi < 0 {
-                        continue;
-                    }
-                    seen[(lo.max(0) as usize) / B..=(hi as usize) / B].fill(true);
-                }
+            Mask::VerticalSlash(v) => {
+                // Ascending distances behind b are descending blocks.
+                let behind = v.distances.partition_point(|&d| d <= b);
+                blocks.push(0);
+                blocks.extend(v.distances[..behind].iter().rev().map(|&d| b - d));
+                blocks.push(b);
+                blocks.dedup();
             }
-            Mask::BlockSparse { blocks: chosen } => {
-                for &kb in chosen.get(b as usize).map_or(&[][..], Vec::as_slice) {
-                    if kb <= b {
-                        seen[kb as usize] = true;
-                    }
-                }
+            Mask::BlockSparse(s) => {
+                blocks.extend(s.selected(b));
+                blocks.push(0);
+                blocks.push(b);
+                blocks.sort_unstable();
+                blocks.dedup();
             }
         }
-        blocks.extend(seen.iter().enumerate().filter(|(_, s)| **s).map(|(kb, _)| kb as u32));
-        if let Mask::VerticalSlash { columns: chosen, .. } = self {
-            let last = (b as usize + 1) * B;
-            columns.extend(chosen.iter().copied().filter(|&j| (j as usize) < last && !seen[j as usize / B]));
+        if let Mask::VerticalSlash(v) = self {
+            let last = (b + 1) * BLOCK;
+            columns.extend(
+                v.columns
+                    .iter()
+                    .copied()
+                    .take_while(|&j| j < last)
+                    .filter(|j| blocks.binary_search(&(j / BLOCK)).is_err()),
+            );
         }
+    }
+
+    /// Keys the kernel visits for the query blocks `query_blocks`, counted in
+    /// whole blocks and single positions, without listing them: exact but for
+    /// vertical-slash's columns, which count whether or not a listed block
+    /// holds them, and block-sparse lists cut short by their ranking.
+    pub fn visited_keys(&self, query_blocks: std::ops::Range<u32>) -> f64 {
+        let blocks = |b: u32| -> u64 {
+            match self {
+                Mask::Dense => b as u64 + 1,
+                Mask::AShape { sink_blocks, local_blocks } => {
+                    let local = (b + 1).saturating_sub(*local_blocks);
+                    ((*sink_blocks).min(local) + b + 1 - local) as u64
+                }
+                Mask::VerticalSlash(v) => {
+                    let behind = v.distances.partition_point(|&d| d <= b) as u64;
+                    let has = |d: u32| v.distances.binary_search(&d).is_ok();
+                    match b {
+                        0 => 1,
+                        _ => behind + u64::from(!has(0)) + u64::from(!has(b)),
+                    }
+                }
+                Mask::BlockSparse(s) => (s.budget as u64).min(b.saturating_sub(1) as u64) + u64::from(b > 0) + 1,
+            }
+        };
+        let columns = |b: u32| match self {
+            Mask::VerticalSlash(v) => v.columns.partition_point(|&j| j < (b + 1) * BLOCK) as u64,
+            _ => 0,
+        };
+        query_blocks.map(|b| (blocks(b) * B as u64 + columns(b)) as f64).sum()
     }
 
     /// The pattern's name in reports and on the command line.
@@ -87,8 +188,8 @@ impl Mask {
         match self {
             Mask::Dense => "dense",
             Mask::AShape { .. } => "ashape",
-            Mask::VerticalSlash { .. } => "vslash",
-            Mask::BlockSparse { .. } => "blocksparse",
+            Mask::VerticalSlash(_) => "vslash",
+            Mask::BlockSparse(_) => "blocksparse",
         }
     }
 }
@@ -117,10 +218,10 @@ impl SparseIndex {
             column_offsets: vec![0],
             ..Self::default()
         };
-        let (mut blocks, mut columns, mut seen) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut blocks, mut columns) = (Vec::new(), Vec::new());
         for mask in masks {
             for b in 0..query_blocks {
-                mask.keys(b, &mut blocks, &mut columns, &mut seen);
+                mask.keys(b, &mut blocks, &mut columns);
                 index.blocks.extend_from_slice(&blocks);
                 index.columns.extend_from_slice(&columns);
                 index.block_offsets.push(index.blocks.len() as u32);
@@ -214,8 +315,8 @@ mod tests {
     use super::*;
 
     fn keys(mask: &Mask, b: u32) -> (Vec<u32>, Vec<u32>) {
-        let (mut blocks, mut columns, mut seen) = (Vec::new(), Vec::new(), Vec::new());
-        mask.keys(b, &mut blocks, &mut columns, &mut seen);
+        let (mut blocks, mut columns) = (Vec::new(), Vec::new());
+        mask.keys(b, &mut blocks, &mut columns);
         (blocks, columns)
     }
 
@@ -224,23 +325,66 @@ mod tests {
         let mask = Mask::AShape { sink_blocks: 2, local_blocks: 3 };
         assert_eq!(keys(&mask, 10).0, vec![0, 1, 8, 9, 10]);
         assert_eq!(keys(&mask, 1).0, vec![0, 1]);
+        assert_eq!(keys(&mask, 0).0, vec![0]);
     }
 
     #[test]
     fn vertical_slash_covers_the_bands_blocks_and_leaves_columns_outside_them() {
         // Offset 64 in query block 3 (positions 192..256): keys 128..192, block 2
         // only; offset 100: keys 92..156, blocks 1 and 2.
-        let mask = Mask::VerticalSlash { columns: vec![5, 70, 130, 300], diagonals: vec![64, 100] };
+        let mask = Mask::VerticalSlash(VerticalSlash::new(vec![5, 70, 130, 300], vec![64, 100]));
         let (blocks, columns) = keys(&mask, 3);
         assert_eq!(blocks, vec![0, 1, 2, 3]);
         assert_eq!(columns, Vec::<u32>::new());
-        let mask = Mask::VerticalSlash { columns: vec![5, 70, 130, 300], diagonals: vec![64] };
+        let mask = Mask::VerticalSlash(VerticalSlash::new(vec![5, 70, 130, 300], vec![64]));
         assert_eq!(keys(&mask, 3), (vec![0, 2, 3], vec![70]));
+        // A band past the first key covers nothing before block 0.
+        let mask = Mask::VerticalSlash(VerticalSlash::new(vec![], vec![150]));
+        assert_eq!(keys(&mask, 1).0, vec![0, 1]);
+        assert_eq!(keys(&mask, 5).0, vec![0, 2, 3, 5]);
+    }
+
+    #[test]
+    fn block_sparse_takes_the_first_entries_of_ranked_lists() {
+        // Two query blocks from block 4 on, lists of 3, best first.
+        let lists: Arc<[u32]> = vec![9, 9, 9, 2, 1, 3, 3, NO_BLOCK, NO_BLOCK].into();
+        let mask = Mask::BlockSparse(BlockSparse::ranked(lists.clone(), 3, 3, 4, 2));
+        assert_eq!(keys(&mask, 4).0, vec![0, 1, 2, 4]);
+        assert_eq!(keys(&mask, 5).0, vec![0, 3, 5]);
+        assert_eq!(keys(&mask, 3).0, vec![0, 3]);
+        let mask = Mask::BlockSparse(BlockSparse::ranked(lists, 3, 3, 4, 1));
+        assert_eq!(keys(&mask, 4).0, vec![0, 2, 4]);
+    }
+
+    #[test]
+    fn visited_keys_counts_what_the_lists_hold() {
+        let lists: Arc<[u32]> = (0..20u32).flat_map(|b| [b / 2, b.saturating_sub(2), 1]).collect::<Vec<_>>().into();
+        let masks = [
+            Mask::Dense,
+            Mask::AShape { sink_blocks: 2, local_blocks: 3 },
+            Mask::VerticalSlash(VerticalSlash::new(vec![], vec![0, 64, 100, 700])),
+            Mask::BlockSparse(BlockSparse::ranked(lists, 0, 3, 0, 3)),
+        ];
+        for mask in &masks {
+            let (mut blocks, mut columns) = (Vec::new(), Vec::new());
+            let listed: f64 = (3..20)
+                .map(|b| {
+                    mask.keys(b, &mut blocks, &mut columns);
+                    (blocks.len() * B + columns.len()) as f64
+                })
+                .sum();
+            let counted = mask.visited_keys(3..20);
+            // Block-sparse's ranked lists repeat blocks here, which the count does not know.
+            match mask {
+                Mask::BlockSparse(_) => assert!(counted >= listed, "{mask:?}: {counted} < {listed}"),
+                _ => assert_eq!(counted, listed, "{mask:?}"),
+            }
+        }
     }
 
     #[test]
     fn the_index_sees_exactly_the_masks_keys() {
-        let a = Mask::BlockSparse { blocks: vec![vec![], vec![], vec![1], vec![1]] };
+        let a = Mask::BlockSparse(BlockSparse::new(&[vec![], vec![], vec![1], vec![1]]));
         let b = Mask::Dense;
         let index = SparseIndex::new(&[&a, &b], 200);
         assert_eq!(index.query_blocks, 4);

@@ -5,15 +5,21 @@
 //! MInference's estimation window for vertical-slash), positions spaced
 //! uniformly over the chunk, and boundary-adjacent ones (the first and last
 //! query of evenly spaced query blocks, where a block-granular mask is
-//! coarsest). For each it computes the softmax statistics over every key it
-//! sees (`shaders/route_row_stats.wgsl`) and then the attention mass of every
-//! 64-key block (`block_mass` in `shaders/route_probe.wgsl`): keys pooled in
-//! blocks of g = 64, in probability rather than in key space, so that a
-//! candidate mask's covered mass is a sum over its blocks. The same pass
-//! gives vertical-slash's column and diagonal scores (the recent rows'
-//! probabilities summed per key and per offset) and block-sparse's pooled
-//! block scores (`route_pool.wgsl`, `route_block_scores.wgsl`). Probabilities
-//! are averaged over the query heads of a KV head, which share one mask.
+//! coarsest). Its kernels (`shaders/route_probe.wgsl`) score every key block
+//! against all probe rows once, keeping per row and block only the softmax
+//! statistics (m, l): combined per row, they give the attention mass of every
+//! 64-key block (keys pooled in blocks of g = 64, in probability rather than
+//! in key space, so that a candidate mask's covered mass is a sum over its
+//! blocks). A second pass over the recent rows alone, now with their row
+//! statistics, gives vertical-slash's column and diagonal scores (the recent
+//! rows' probabilities summed per key and per offset). Block-sparse's index
+//! builder (`shaders/route_blocks.wgsl`) pools queries and keys per block,
+//! scores the pooled blocks and selects each query block's best key blocks
+//! on the GPU, so what comes back is small: the block masses of the probe
+//! rows, the line scores, and [`TOP_BLOCKS`] key blocks per query block.
+//! Probabilities are averaged over the query heads of a KV head, which share
+//! one mask. Both shader files begin with `shaders/route_params.wgsl`, whose
+//! `Params` is [`Params`] here.
 
 use wgpu::Buffer;
 
@@ -24,10 +30,27 @@ use crate::gpu::{Batch, GpuContext, GpuError, Kernel, Shader};
 const ROW_STATS: &str = include_str!("../../../shaders/route_row_stats.wgsl");
 const DENSE_KEYS: &str = include_str!("../../../shaders/attention_keys_dense.wgsl");
 const SPARSE_KEYS: &str = include_str!("../../../shaders/attention_keys_sparse.wgsl");
-const PROBE: Shader = Shader { name: "route_probe", source: include_str!("../../../shaders/route_probe.wgsl") };
-const POOL: Shader = Shader { name: "route_pool", source: include_str!("../../../shaders/route_pool.wgsl") };
-const BLOCK_SCORES: Shader =
-    Shader { name: "route_block_scores", source: include_str!("../../../shaders/route_block_scores.wgsl") };
+const PROBE: Shader = Shader {
+    name: "route_probe",
+    source: concat!(
+        include_str!("../../../shaders/route_params.wgsl"),
+        include_str!("../../../shaders/route_probe.wgsl")
+    ),
+};
+const BLOCKS: Shader = Shader {
+    name: "route_blocks",
+    source: concat!(
+        include_str!("../../../shaders/route_params.wgsl"),
+        include_str!("../../../shaders/route_blocks.wgsl")
+    ),
+};
+
+/// Key blocks `route_blocks.wgsl` selects per query block (its `TOP`): the
+/// largest block-sparse budget.
+pub const TOP_BLOCKS: usize = 100;
+
+/// The end of a query block's list of selected key blocks shorter than [`TOP_BLOCKS`].
+pub const NO_BLOCK: u32 = u32::MAX;
 
 /// Query heads per KV head the row-statistics kernel takes at most.
 pub const MAX_GROUP: usize = 8;
@@ -97,18 +120,33 @@ pub struct Probe {
     pub column_scores: Vec<f32>,
     /// `[kv_head][offset]`: Σ over the recent rows of p(t, t − offset).
     pub diagonal_scores: Vec<f32>,
-    /// `[kv_head][query block of the chunk][key block]`: pooled block scores.
-    pub block_scores: Vec<f32>,
-    /// Query blocks of the chunk (rows of `block_scores`).
+    /// `[kv_head][query block of the chunk][TOP_BLOCKS]`: the key blocks
+    /// between the sink block and the diagonal with the best pooled scores,
+    /// best first, [`NO_BLOCK`] past the end of a shorter list.
+    pub top_blocks: std::sync::Arc<[u32]>,
+    /// Query blocks of the chunk, and the first one's index.
     pub query_blocks: usize,
+    pub first_query_block: usize,
     /// GPU milliseconds: the probe proper, and the index builders' scores.
     pub probe_ms: f64,
     pub index_ms: f64,
+    /// GPU milliseconds of each kernel, by name.
+    pub kernels: Vec<(&'static str, f64)>,
 }
 
 impl Probe {
     pub fn mass(&self, h: usize, row: usize) -> &[f32] {
         &self.block_mass[(h * self.rows + row) * self.key_blocks..][..self.key_blocks]
+    }
+
+    pub fn columns(&self, h: usize) -> &[f32] {
+        let keys = self.column_scores.len() / self.kv_heads;
+        &self.column_scores[h * keys..][..keys]
+    }
+
+    pub fn diagonals(&self, h: usize) -> &[f32] {
+        let keys = self.diagonal_scores.len() / self.kv_heads;
+        &self.diagonal_scores[h * keys..][..keys]
     }
 }
 
@@ -116,34 +154,55 @@ impl Probe {
 pub struct ProbeKernels {
     dense_stats: Pipeline,
     sparse_stats: Pipeline,
+    tile_stats: Kernel,
     block_mass: Kernel,
-    column_scores: Kernel,
-    diagonal_scores: Kernel,
-    pool: Kernel,
+    recent_lines: Kernel,
+    diagonals: Kernel,
+    pool_queries: Kernel,
+    pool_keys: Kernel,
     block_scores: Kernel,
+    top_blocks: Kernel,
     head_dim: u32,
 }
 
-/// The uniform parameters of `route_probe.wgsl`, `route_pool.wgsl` and `route_block_scores.wgsl`.
+/// `Params` of `shaders/route_params.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Default, bytemuck::Pod, bytemuck::Zeroable)]
 struct Params {
-    rows: u32,
-    recent: u32,
+    n: u32,
     pos0: u32,
     n_head: u32,
     n_kv_head: u32,
     d: u32,
     scale: f32,
-    keys: u32,
-    src_rows: u32,
-    width: u32,
-    qb0: u32,
-    query_blocks: u32,
+    rows: u32,
+    recent: u32,
 }
+
+/// The probe's kernels in the order they run: the first two are the probe
+/// proper, the rest the index builders.
+const KERNELS: [&str; 8] = [
+    "tile_stats",
+    "block_mass",
+    "recent_lines",
+    "diagonals",
+    "pool_queries",
+    "pool_keys",
+    "block_scores",
+    "top_blocks",
+];
+
+/// Query blocks `block_scores` takes per workgroup (its `QUERY_TILE`).
+const QUERY_TILE: u32 = 8;
 
 impl ProbeKernels {
     pub fn new(ctx: &GpuContext, head_dim: u32) -> Result<Self, GpuError> {
+        if head_dim > 256 || !head_dim.is_multiple_of(4) {
+            return Err(GpuError::Kernel {
+                kernel: "route probe".into(),
+                reason: format!("head size {head_dim}: the probe takes multiples of 4 up to 256"),
+            });
+        }
         let stats = |keys: &str, buffers: &[Access]| {
             let header = format!("const D: u32 = {head_dim}u;\n{keys}");
             Pipeline::new(&ctx.device, "route row stats", &header, ROW_STATS, buffers)
@@ -152,11 +211,14 @@ impl ProbeKernels {
         Ok(Self {
             dense_stats: stats(DENSE_KEYS, &[r, r, r, rw]),
             sparse_stats: stats(SPARSE_KEYS, &[r, r, r, rw, r, r, r, r]),
+            tile_stats: ctx.kernel(&PROBE, "tile_stats", &[])?,
             block_mass: ctx.kernel(&PROBE, "block_mass", &[])?,
-            column_scores: ctx.kernel(&PROBE, "column_scores", &[])?,
-            diagonal_scores: ctx.kernel(&PROBE, "diagonal_scores", &[])?,
-            pool: ctx.kernel(&POOL, "pool", &[])?,
-            block_scores: ctx.kernel(&BLOCK_SCORES, "block_scores", &[])?,
+            recent_lines: ctx.kernel(&PROBE, "recent_lines", &[])?,
+            diagonals: ctx.kernel(&PROBE, "diagonals", &[])?,
+            pool_queries: ctx.kernel(&BLOCKS, "pool_queries", &[])?,
+            pool_keys: ctx.kernel(&BLOCKS, "pool_keys", &[])?,
+            block_scores: ctx.kernel(&BLOCKS, "block_scores", &[])?,
+            top_blocks: ctx.kernel(&BLOCKS, "top_blocks", &[])?,
             head_dim,
         })
     }
@@ -211,80 +273,68 @@ impl ProbeKernels {
         keys: &Buffer,
     ) -> Result<Probe, GpuError> {
         let (hq, hk) = (shape.n_head as usize, shape.n_kv_head as usize);
+        if hq / hk > MAX_GROUP {
+            return Err(GpuError::Kernel {
+                kernel: "route probe".into(),
+                reason: format!("{} query heads per KV head; the probe takes {MAX_GROUP} at most", hq / hk),
+            });
+        }
         let r = rows.len();
         let kv_len = shape.kv_len() as usize;
         let key_blocks = kv_len.div_ceil(BLOCK as usize);
-        let qb0 = shape.pos0 / BLOCK;
-        let query_blocks = (shape.kv_len().div_ceil(BLOCK) - qb0) as usize;
-        let d = self.head_dim as usize;
+        let first_query_block = (shape.pos0 / BLOCK) as usize;
+        let query_blocks = key_blocks - first_query_block;
+        let quads = self.head_dim as usize / 4;
         let rows_buffer = ctx.upload("probe rows", &rows.positions)?;
-        let stats = ctx.storage::<[f32; 2]>("probe stats", r * hq)?;
+        let block_stats = ctx.storage::<[f32; 2]>("probe block stats", hq * r * key_blocks)?;
+        let row_stats = ctx.storage::<[f32; 2]>("probe row stats", r * hq)?;
         let mass = ctx.storage::<f32>("probe block mass", hk * r * key_blocks)?;
         let columns = ctx.storage::<f32>("probe column scores", hk * kv_len)?;
+        let parts = ctx.storage::<f32>("probe diagonal parts", hk * key_blocks * 2 * BLOCK as usize)?;
         let diagonals = ctx.storage::<f32>("probe diagonal scores", hk * kv_len)?;
-        let pooled_q = ctx.storage::<f32>("pooled queries", query_blocks * hq * d)?;
-        let pooled_k = ctx.storage::<f32>("pooled keys", key_blocks * hk * d)?;
+        let pooled_q = ctx.storage::<[f32; 4]>("pooled queries", query_blocks * hk * quads)?;
+        let pooled_k = ctx.storage::<[f32; 4]>("pooled keys", key_blocks * hk * quads)?;
         let scores = ctx.storage::<f32>("block scores", hk * query_blocks * key_blocks)?;
+        let top = ctx.storage::<u32>("top blocks", hk * query_blocks * TOP_BLOCKS)?;
         let params = Params {
-            rows: r as u32,
-            recent: rows.recent as u32,
+            n: shape.n,
             pos0: shape.pos0,
             n_head: shape.n_head,
             n_kv_head: shape.n_kv_head,
             d: self.head_dim,
             scale: shape.scale,
-            keys: kv_len as u32,
-            qb0,
-            query_blocks: query_blocks as u32,
-            ..Params::default()
+            rows: r as u32,
+            recent: rows.recent as u32,
         };
         fn all(b: &Buffer) -> wgpu::BindingResource<'_> {
             b.as_entire_binding()
         }
+        let (kb, hk32) = (key_blocks as u32, hk as u32);
         let mut batch = ctx.batch();
         batch.mark();
-        self.row_stats(&mut batch, ctx, shape, (&rows_buffer, r as u32), q16, keys, &stats, None)?;
-        let mass_params = Params { keys: key_blocks as u32, ..params };
-        batch.dispatch(
-            &self.block_mass,
-            &mass_params,
-            &[all(&rows_buffer), all(q16), all(keys), all(&stats), all(&mass)],
-            [key_blocks as u32, r as u32, hk as u32],
-        );
-        batch.mark();
-        let lines = [kv_len.div_ceil(64) as u32, hk as u32, 1];
-        batch.dispatch(
-            &self.column_scores,
-            &params,
-            &[all(&rows_buffer), all(q16), all(keys), all(&stats), all(&columns)],
-            lines,
-        );
-        batch.dispatch(
-            &self.diagonal_scores,
-            &params,
-            &[all(&rows_buffer), all(q16), all(keys), all(&stats), all(&diagonals)],
-            lines,
-        );
-        let q_pool = Params { src_rows: shape.n, width: (hq * d) as u32, ..params };
-        let q_groups = [(hq * d).div_ceil(64) as u32, query_blocks as u32, 1];
-        batch.dispatch(&self.pool, &q_pool, &[all(q16), all(&pooled_q)], q_groups);
-        let k_pool = Params { src_rows: kv_len as u32, width: (hk * d) as u32, ..params };
-        batch.dispatch(
-            &self.pool,
-            &k_pool,
-            &[all(keys), all(&pooled_k)],
-            [(hk * d).div_ceil(64) as u32, key_blocks as u32, 1],
-        );
-        let score_params = Params { keys: key_blocks as u32, ..params };
-        let score_groups = [key_blocks.div_ceil(64) as u32, query_blocks as u32, hk as u32];
-        batch.dispatch(
-            &self.block_scores,
-            &score_params,
-            &[all(&pooled_q), all(&pooled_k), all(&scores)],
-            score_groups,
-        );
-        batch.mark();
+        let scored = || [all(&rows_buffer), all(q16), all(keys)];
+        let lines = [all(&row_stats), all(&columns), all(&parts)];
+        let dispatches: [(&Kernel, Vec<wgpu::BindingResource>, [u32; 3]); 8] = [
+            (&self.tile_stats, [&scored()[..], &[all(&block_stats)]].concat(), [kb, hk32, 1]),
+            (&self.block_mass, vec![all(&block_stats), all(&row_stats), all(&mass)], [r as u32, hk32, 1]),
+            (&self.recent_lines, [&scored()[..], &lines[..]].concat(), [kb, hk32, 1]),
+            (&self.diagonals, vec![all(&parts), all(&diagonals)], [kv_len.div_ceil(64) as u32, hk32, 1]),
+            (&self.pool_queries, vec![all(q16), all(&pooled_q)], [1, query_blocks as u32, hk32]),
+            (&self.pool_keys, vec![all(keys), all(&pooled_k)], [1, kb, hk32]),
+            (
+                &self.block_scores,
+                vec![all(&pooled_q), all(&pooled_k), all(&scores)],
+                [kb.div_ceil(BLOCK), (query_blocks as u32).div_ceil(QUERY_TILE), hk32],
+            ),
+            (&self.top_blocks, vec![all(&scores), all(&top)], [query_blocks as u32, hk32, 1]),
+        ];
+        for (kernel, buffers, groups) in &dispatches {
+            batch.dispatch(kernel, &params, buffers, *groups);
+            batch.mark();
+        }
+        drop(dispatches);
         let times = batch.submit_timed()?.unwrap_or_default();
+        let kernels: Vec<(&'static str, f64)> = KERNELS.iter().copied().zip(times.iter().copied()).collect();
         let probe = Probe {
             kv_heads: hk,
             rows: r,
@@ -292,21 +342,33 @@ impl ProbeKernels {
             block_mass: ctx.read(&mass, 0, hk * r * key_blocks)?,
             column_scores: ctx.read(&columns, 0, hk * kv_len)?,
             diagonal_scores: ctx.read(&diagonals, 0, hk * kv_len)?,
-            block_scores: ctx.read(&scores, 0, hk * query_blocks * key_blocks)?,
+            top_blocks: ctx.read::<u32>(&top, 0, hk * query_blocks * TOP_BLOCKS)?.into(),
             query_blocks,
-            probe_ms: times.first().copied().unwrap_or(0.0),
-            index_ms: times.get(1).copied().unwrap_or(0.0),
+            first_query_block,
+            probe_ms: kernels.iter().take(2).map(|k| k.1).sum(),
+            index_ms: kernels.iter().skip(2).map(|k| k.1).sum(),
+            kernels,
         };
-        for b in [rows_buffer, stats, mass, columns, diagonals, pooled_q, pooled_k, scores] {
+        for b in [rows_buffer, block_stats, row_stats, mass, columns, parts, diagonals, pooled_q, pooled_k, scores, top]
+        {
             ctx.recycle(b);
         }
         Ok(probe)
     }
 }
 
+/// The probe's WGSL modules as compiled, for the validation test.
+#[cfg(test)]
+pub(crate) fn shader_sources() -> Vec<(String, String)> {
+    let mut sources =
+        vec![(PROBE.name.to_string(), PROBE.source.to_string()), (BLOCKS.name.to_string(), BLOCKS.source.to_string())];
+    sources.extend(row_stats_sources());
+    sources
+}
+
 /// `with_header` for the row-statistics shader, for the validation test.
 #[cfg(test)]
-pub(crate) fn row_stats_sources() -> Vec<(String, String)> {
+fn row_stats_sources() -> Vec<(String, String)> {
     [("dense", DENSE_KEYS), ("sparse", SPARSE_KEYS)]
         .iter()
         .flat_map(|(kind, keys)| {

@@ -8,13 +8,17 @@
 //! a routed prefill reads it, and refuses to route without one. Each entry is
 //! the median GPU time of one dispatch over every KV head of the shape,
 //! divided by their number, for a mask of that pattern and budget whose
-//! content is synthetic (the time depends on how many keys a query block
-//! lists, which the budget fixes, not on which): vertical-slash columns
-//! spread uniformly, half of its diagonals next to the main one and half
-//! spread; block-sparse blocks spread uniformly. The probe's and index
-//! builders' time per layer is measured at each bucket too. Between buckets
-//! times are interpolated linearly in the length; beyond the largest one they
-//! are scaled by the length (by its square for dense).
+//! content is synthetic (vertical-slash columns spread uniformly, half of its
+//! diagonals next to the main one and half spread; block-sparse blocks spread
+//! uniformly), with the keys that mask visits. The kernel's time follows the
+//! keys a query block lists, so the router prices a real mask at the
+//! measured time per visited key of its pattern and budget: for A-shape and
+//! block-sparse the budget fixes the keys, for vertical-slash it does not
+//! (diagonals far apart cover more key blocks than adjacent ones). The
+//! probe's and index builders' time per layer is measured at each bucket
+//! too. Between buckets times are interpolated linearly in the length;
+//! beyond the measured ones they are scaled by the length (by its square for
+//! dense, not at all per key).
 
 use std::path::{Path, PathBuf};
 
@@ -22,7 +26,7 @@ use half::f16;
 use serde::{Deserialize, Serialize};
 
 use super::candidates::{Candidate, Pattern};
-use super::index::{Mask, SparseIndex};
+use super::index::{BlockSparse, Mask, SparseIndex, VerticalSlash};
 use super::probe::{ProbeKernels, ProbeRows};
 use crate::gpu::attention::{Attention, AttentionShape, BLOCK};
 use crate::gpu::{GpuContext, GpuError, KernelPath};
@@ -50,6 +54,10 @@ pub struct Entry {
     pub tokens: u32,
     /// Median kernel time per KV head, µs.
     pub us: f64,
+    /// Keys the measured mask visits per KV head ([`Mask::visited_keys`]);
+    /// 0 in profiles written before it was recorded.
+    #[serde(default)]
+    pub keys: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -95,6 +103,32 @@ impl LatencyProfile {
             .collect();
         let power = if c.pattern == Pattern::Dense { 2 } else { 1 };
         interpolate(&points, tokens, power)
+    }
+
+    /// The kernel time per KV head of `mask`, candidate `c`'s mask for the
+    /// query blocks `query_blocks` of a call over `tokens` positions, µs: the
+    /// measured time per visited key of `c` at this length times the keys
+    /// `mask` visits. So a chunk of a few query blocks is priced for those
+    /// (dense included); and the keys a budget takes are fixed for A-shape and
+    /// block-sparse, but vertical-slash's diagonals cover more key blocks the
+    /// further apart they are. Profiles without key counts price whole calls.
+    pub fn mask_time_us(
+        &self,
+        c: Candidate,
+        mask: &Mask,
+        query_blocks: std::ops::Range<u32>,
+        tokens: u32,
+    ) -> Option<f64> {
+        let per_key: Vec<(u32, f64)> = self
+            .entries
+            .iter()
+            .filter(|e| e.pattern == c.pattern && e.budget == c.budget && e.keys > 0.0)
+            .map(|e| (e.tokens, e.us / e.keys))
+            .collect();
+        match interpolate(&per_key, tokens, 0) {
+            None => self.time_us(c, tokens),
+            Some(us_per_key) => Some(us_per_key * mask.visited_keys(query_blocks)),
+        }
     }
 
     /// The probe's and index builders' time per layer, µs.
@@ -191,7 +225,8 @@ impl LatencyProfile {
                 }
                 gpu_index.recycle(ctx);
                 let us = median(&mut samples) * 1e3 / n_kv_head as f64;
-                profile.entries.push(Entry { pattern: c.pattern, budget: c.budget, tokens: n, us });
+                let keys = mask.visited_keys(0..n.div_ceil(BLOCK));
+                profile.entries.push(Entry { pattern: c.pattern, budget: c.budget, tokens: n, us, keys });
             }
             let probe_rows = ProbeRows::new(0, shape.n, 32, 16);
             let mut samples = Vec::new();
@@ -224,15 +259,14 @@ fn median(samples: &mut [f64]) -> f64 {
     samples.get(samples.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// Linear between measured lengths; proportional below the first (and to
-/// `tokens^power` past the last).
+/// Linear between measured lengths; proportional to `tokens^power` outside them.
 fn interpolate(points: &[(u32, f64)], tokens: u32, power: i32) -> Option<f64> {
     let mut points = points.to_vec();
     points.sort_by_key(|p| p.0);
     let (first, last) = (*points.first()?, *points.last()?);
     let x = tokens as f64;
     if tokens <= first.0 {
-        return Some(first.1 * x / first.0 as f64);
+        return Some(first.1 * (x / first.0 as f64).powi(power));
     }
     if tokens >= last.0 {
         return Some(last.1 * (x / last.0 as f64).powi(power));
@@ -258,16 +292,13 @@ fn synthetic_mask(c: Candidate, n: u32) -> Mask {
             let near = c.budget[1] / 2;
             let mut diagonals: Vec<u32> = (0..near.min(n)).collect();
             diagonals.extend((near..c.budget[1]).map(|_| next(n)));
-            let mut columns: Vec<u32> = (0..c.budget[0]).map(|_| next(n)).collect();
-            for v in [&mut columns, &mut diagonals] {
-                v.sort_unstable();
-                v.dedup();
-            }
-            Mask::VerticalSlash { columns, diagonals }
+            let columns: Vec<u32> = (0..c.budget[0]).map(|_| next(n)).collect();
+            Mask::VerticalSlash(VerticalSlash::new(columns, diagonals))
         }
         Pattern::BlockSparse => {
-            let blocks = (0..n.div_ceil(BLOCK)).map(|b| (0..c.budget[0]).map(|_| next(b + 1)).collect()).collect();
-            Mask::BlockSparse { blocks }
+            let blocks: Vec<Vec<u32>> =
+                (0..n.div_ceil(BLOCK)).map(|b| (0..c.budget[0]).map(|_| next(b + 1)).collect()).collect();
+            Mask::BlockSparse(BlockSparse::new(&blocks))
         }
     }
 }
@@ -288,8 +319,37 @@ mod tests {
     #[test]
     fn synthetic_masks_keep_their_budgets() {
         let c = Candidate { pattern: Pattern::BlockSparse, budget: [4, 0] };
-        let Mask::BlockSparse { blocks } = synthetic_mask(c, 1024) else { panic!() };
-        assert_eq!(blocks.len(), 16);
-        assert!(blocks.iter().all(|b| b.len() == 4));
+        let mask = synthetic_mask(c, 1024);
+        let (mut blocks, mut columns) = (Vec::new(), Vec::new());
+        for b in 0..16 {
+            mask.keys(b, &mut blocks, &mut columns);
+            assert!(blocks.len() <= (b as usize + 1).min(6), "{b}: {blocks:?}");
+        }
+    }
+
+    #[test]
+    fn a_mask_is_timed_by_the_keys_it_visits() {
+        let c = Candidate { pattern: Pattern::VerticalSlash, budget: [16, 64] };
+        let near = Mask::VerticalSlash(VerticalSlash::new(vec![], (0..64).collect()));
+        let spread = Mask::VerticalSlash(VerticalSlash::new(vec![], (0..64).map(|i| i * 64 + 32).collect()));
+        let keys = near.visited_keys(0..64);
+        let profile = LatencyProfile {
+            adapter: String::new(),
+            driver: String::new(),
+            path: String::new(),
+            head_dim: 64,
+            n_head: 1,
+            n_kv_head: 1,
+            entries: vec![Entry { pattern: c.pattern, budget: c.budget, tokens: 4096, us: 100.0, keys }],
+            probe: vec![],
+        };
+        assert_eq!(profile.mask_time_us(c, &near, 0..64, 4096), Some(100.0));
+        let t = profile.mask_time_us(c, &spread, 0..64, 4096).unwrap();
+        assert!(t > 1000.0, "{t}");
+        // The same per key at twice the length, over twice the blocks.
+        assert!(profile.mask_time_us(c, &near, 0..128, 8192).unwrap() > 200.0);
+        // A chunk of the last 4 query blocks is priced for those.
+        let tail = profile.mask_time_us(c, &near, 60..64, 4096).unwrap();
+        assert!((tail - 100.0 * near.visited_keys(60..64) / keys).abs() < 1e-9, "{tail}");
     }
 }

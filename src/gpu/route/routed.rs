@@ -21,7 +21,7 @@ use std::time::Instant;
 use half::f16;
 use wgpu::Buffer;
 
-use super::candidates::{estimate, Candidate, Estimate, Pattern};
+use super::candidates::{estimate, Candidate, Estimate, HeadLines, Pattern};
 use super::index::{value_norm_max, Mask, SparseIndex};
 use super::probe::{ProbeKernels, ProbeRows};
 use super::profile::LatencyProfile;
@@ -85,9 +85,20 @@ impl RoutedAttention {
         })
     }
 
-    /// Whether this call can go sparse.
+    /// Whether this call can go sparse, and, when routing, whether it may pay:
+    /// a chunk whose dense attention costs less than the probe (a few queries
+    /// after a long prefix: a chat's next turn, a teacher-forced batch) runs
+    /// dense without one.
     pub fn takes(&self, shape: &AttentionShape) -> bool {
-        shape.window.is_none() && shape.pos0.is_multiple_of(BLOCK)
+        let blocks = shape.pos0 / BLOCK..shape.kv_len().div_ceil(BLOCK);
+        let pays = match (&self.settings.pattern, &self.profile) {
+            (None, Some(p)) => {
+                let dense = p.mask_time_us(Candidate::DENSE, &Mask::Dense, blocks, shape.kv_len());
+                dense.zip(p.probe_us(shape.kv_len())).is_none_or(|(dense, probe)| dense > probe)
+            }
+            _ => true,
+        };
+        shape.window.is_none() && shape.pos0.is_multiple_of(BLOCK) && pays
     }
 
     /// Attention of layer `layer` for `shape` into `out`, from the chunk's f16
@@ -106,7 +117,7 @@ impl RoutedAttention {
         let started = Instant::now();
         let hk = shape.n_kv_head as usize;
         let kv_len = shape.kv_len();
-        let qb0 = (shape.pos0 / BLOCK) as usize;
+        let query_blocks = shape.pos0 / BLOCK..kv_len.div_ceil(BLOCK);
         let rows = ProbeRows::new(shape.pos0, shape.n, 32, 16);
         let probe = self.probe.run(ctx, shape, &rows, q16, keys)?;
         let routing_started = Instant::now();
@@ -114,13 +125,15 @@ impl RoutedAttention {
             Some(p) => vec![Candidate::DENSE, fixed_budget(p)],
             None => Candidate::library(),
         };
-        // Per KV head, every candidate's mask and estimate.
+        // Per KV head, every candidate's mask (a description: nothing is
+        // listed yet) and estimate.
         let options: Vec<Vec<(Candidate, Mask, Estimate)>> = (0..hk)
             .map(|h| {
+                let lines = HeadLines::new(&probe, h);
                 library
                     .iter()
                     .map(|&c| {
-                        let mask = c.mask(&probe, h, qb0);
+                        let mask = c.mask(&probe, &lines, h);
                         let e = estimate(&mask, &probe, &rows, h);
                         (c, mask, e)
                     })
@@ -128,13 +141,19 @@ impl RoutedAttention {
             })
             .collect();
         let lower = |e: &Estimate| (e.mass - self.settings.delta).max(0.0);
-        let time = |c: Candidate| self.profile.as_ref().and_then(|p| p.time_us(c, kv_len)).unwrap_or(0.0);
+        let time = |c: Candidate, mask: &Mask| {
+            self.profile.as_ref().and_then(|p| p.mask_time_us(c, mask, query_blocks.clone(), kv_len)).unwrap_or(0.0)
+        };
         let overhead_us = self.profile.as_ref().and_then(|p| p.probe_us(kv_len)).unwrap_or(0.0);
         let heads: Vec<Vec<Choice>> = options
             .iter()
             .map(|o| {
                 o.iter()
-                    .map(|(c, _, e)| Choice { risk: e.risk(self.settings.alpha), lower: lower(e), time_us: time(*c) })
+                    .map(|(c, mask, e)| Choice {
+                        risk: e.risk(self.settings.alpha),
+                        lower: lower(e),
+                        time_us: time(*c, mask),
+                    })
                     .collect()
             })
             .collect();
@@ -185,7 +204,7 @@ impl RoutedAttention {
             false => None,
         };
         if self.settings.calibrate {
-            self.calibrate(ctx, shape, [q16, keys], &probe, &rows, qb0)?;
+            self.calibrate(ctx, shape, [q16, keys], &probe, &rows)?;
         }
         gpu_index.recycle(ctx);
         let v_max = match self.settings.report.is_some() || self.settings.audit {
@@ -230,6 +249,9 @@ impl RoutedAttention {
             dense_us,
             heads: heads_report,
         });
+        for (name, ms) in &probe.kernels {
+            *report.timing.probe_kernels_ms.entry(name.to_string()).or_default() += ms;
+        }
         report.timing.probe_ms += probe.probe_ms;
         report.timing.index_ms += probe.index_ms;
         report.timing.routing_ms += routing_ms;
@@ -334,12 +356,12 @@ impl RoutedAttention {
         qk: [&Buffer; 2],
         probe: &super::probe::Probe,
         rows: &ProbeRows,
-        qb0: usize,
     ) -> Result<(), GpuError> {
         let hk = shape.n_kv_head as usize;
+        let lines: Vec<HeadLines> = (0..hk).map(|h| HeadLines::new(probe, h)).collect();
         let mut residuals = Vec::new();
         for c in Candidate::library().iter().filter(|c| c.pattern != Pattern::Dense) {
-            let masks: Vec<Mask> = (0..hk).map(|h| c.mask(probe, h, qb0)).collect();
+            let masks: Vec<Mask> = (0..hk).map(|h| c.mask(probe, &lines[h], h)).collect();
             let refs: Vec<&Mask> = masks.iter().collect();
             let index = SparseIndex::new(&refs, shape.kv_len()).upload(ctx)?;
             let truth = self.true_masses(ctx, shape, qk, Some(&index))?;
