@@ -23,7 +23,7 @@ use sift::attn::certified::synthetic::{SyntheticCache, SyntheticShape};
 use sift::attn::certified::{CertifiedPolicy, Params, PerturbationSeed};
 use sift::attn::dense::Dense;
 use sift::attn::topk::Topk;
-use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Scorer};
+use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall};
 use sift::kv::{KvMode, PagedLayer, Storage, PAGE};
 
 const STEPS: usize = 9;
@@ -59,22 +59,6 @@ impl Tally {
     }
 }
 
-/// The decoding call of the newest position with `queries`.
-fn batch<'a>(cache: &'a SyntheticCache, queries: &'a [f32]) -> AttentionBatch<'a> {
-    let shape = cache.shape;
-    AttentionBatch {
-        queries,
-        keys: &cache.last_keys,
-        values: &cache.last_values,
-        pos0: shape.len - 1,
-        n_head: shape.n_head(),
-        head_dim_k: shape.dim,
-        head_dim_v: shape.dim,
-        n_gqa: shape.n_gqa,
-        scorer: Scorer::scaled(shape.scale()),
-    }
-}
-
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let captured: Vec<&String> = args.windows(2).filter(|w| w[0] == "--captured").map(|w| &w[1]).collect();
@@ -89,7 +73,7 @@ fn main() {
     for len in lens {
         let mut cache = SyntheticCache::new(SyntheticShape::llama_8b(len), storage, 1);
         let queries: Vec<Vec<f32>> = (0..=STEPS).map(|_| cache.queries()).collect();
-        let batches: Vec<AttentionBatch> = queries.iter().map(|q| batch(&cache, q)).collect();
+        let batches: Vec<AttentionBatch> = queries.iter().map(|q| cache.decoding_batch(q)).collect();
         compare(&format!("synthetic {len}"), &cache.layer, &batches);
     }
     for path in captured {

@@ -6,7 +6,7 @@ use sift::attn::audit::{AuditTable, Audited};
 use sift::attn::certified::synthetic::{SyntheticCache, SyntheticShape};
 use sift::attn::certified::{CertifiedPolicy, Grid, Params, PerturbationSeed};
 use sift::attn::topk::Topk;
-use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Measure, Scorer};
+use sift::attn::{AttentionPolicy, HeadRecord, LayerCall, Measure};
 use sift::kv::{KvMode, Storage};
 
 const SHAPE: SyntheticShape = SyntheticShape { n_kv_head: 2, n_gqa: 2, dim: 64, len: 2048 };
@@ -23,17 +23,7 @@ fn run(cache: &SyntheticCache, queries: &[Vec<f32>], policy: &mut dyn AttentionP
     let mut out = vec![0.0; shape.n_head() * shape.dim];
     let mut records = Vec::new();
     for (step, queries) in queries.iter().enumerate() {
-        let batch = AttentionBatch {
-            queries,
-            keys: &cache.last_keys,
-            values: &cache.last_values,
-            pos0: shape.len - 1,
-            n_head: shape.n_head(),
-            head_dim_k: shape.dim,
-            head_dim_v: shape.dim,
-            n_gqa: shape.n_gqa,
-            scorer: Scorer::scaled(shape.scale()),
-        };
+        let batch = cache.decoding_batch(queries);
         let call = LayerCall { layer: 0, step: step as u64, batch: &batch, cache: &cache.layer };
         policy.attend(&call, &mut out, &mut records);
     }

@@ -13,7 +13,7 @@ use sift::attn::audit::{AuditTable, Audited};
 use sift::attn::certified::candidates::{CacheHead, GroupReads, GroupScan};
 use sift::attn::certified::synthetic::{SyntheticCache, SyntheticShape};
 use sift::attn::certified::{CertifiedPolicy, Grid, HeadKeys, Params, PerturbationSeed, Perturbations};
-use sift::attn::{AttentionBatch, AttentionPolicy, HeadRecord, LayerCall, Measure, Scorer, Split};
+use sift::attn::{AttentionPolicy, HeadRecord, LayerCall, Measure, Split};
 use sift::kv::{KvMode, Storage};
 
 const SHAPE: SyntheticShape = SyntheticShape { n_kv_head: 2, n_gqa: 2, dim: 64, len: 4096 };
@@ -37,17 +37,7 @@ fn run(cache: &mut SyntheticCache, policy: &mut dyn AttentionPolicy, steps: u64)
     let mut records = Vec::new();
     for step in 0..steps {
         let queries = cache.queries();
-        let batch = AttentionBatch {
-            queries: &queries,
-            keys: &cache.last_keys,
-            values: &cache.last_values,
-            pos0: shape.len - 1,
-            n_head: shape.n_head(),
-            head_dim_k: shape.dim,
-            head_dim_v: shape.dim,
-            n_gqa: shape.n_gqa,
-            scorer: Scorer::scaled(shape.scale()),
-        };
+        let batch = cache.decoding_batch(&queries);
         let call = LayerCall { layer: 0, step, batch: &batch, cache: &cache.layer };
         policy.attend(&call, &mut out, &mut records);
     }
@@ -98,17 +88,7 @@ fn candidate_bounds_hold_every_exact_score() {
         let mut cache = SyntheticCache::new(SyntheticShape { len: 1500, ..SHAPE }, storage(mode), 3);
         let queries = cache.queries();
         let shape = cache.shape;
-        let batch = AttentionBatch {
-            queries: &queries,
-            keys: &cache.last_keys,
-            values: &cache.last_values,
-            pos0: shape.len - 1,
-            n_head: shape.n_head(),
-            head_dim_k: shape.dim,
-            head_dim_v: shape.dim,
-            n_gqa: shape.n_gqa,
-            scorer: Scorer::scaled(shape.scale()),
-        };
+        let batch = cache.decoding_batch(&queries);
         let call = LayerCall { layer: 0, step: 0, batch: &batch, cache: &cache.layer };
         let split = Split::of(call.visible(0));
         let mut scan = GroupScan::default();

@@ -21,6 +21,7 @@
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
+use crate::attn::{AttentionBatch, Scorer};
 use crate::kv::{CacheShape, PagedLayer, Storage};
 
 /// The shape of a synthetic call.
@@ -115,5 +116,22 @@ impl SyntheticCache {
             }
         }
         queries
+    }
+
+    /// The decoding call of the newest position with `queries` (`n_head`
+    /// rows of `dim`), as the forward pass hands it to a policy.
+    pub fn decoding_batch<'a>(&'a self, queries: &'a [f32]) -> AttentionBatch<'a> {
+        let shape = self.shape;
+        AttentionBatch {
+            queries,
+            keys: &self.last_keys,
+            values: &self.last_values,
+            pos0: shape.len - 1,
+            n_head: shape.n_head(),
+            head_dim_k: shape.dim,
+            head_dim_v: shape.dim,
+            n_gqa: shape.n_gqa,
+            scorer: Scorer::scaled(shape.scale()),
+        }
     }
 }
