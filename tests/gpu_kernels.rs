@@ -112,36 +112,17 @@ struct Case {
 }
 
 /// Softmax attention in f64 over the f16 inputs, the layouts of
-/// `sift::gpu::attention`.
+/// `sift::gpu::attention`: every earlier key, or those in the window.
 fn attention_reference(q: &[f16], k: &[f16], v: &[f16], c: &Case, scale: f64) -> Vec<f64> {
-    let (hq, hk, d) = (c.n_head as usize, c.n_kv_head as usize, c.head_dim as usize);
-    let group = hq / hk;
-    let mut out = vec![0.0; c.n as usize * hq * d];
-    for i in 0..c.n as usize {
-        let t = c.pos0 as usize + i;
-        let first = c.window.map_or(0, |w| (t + 1).saturating_sub(w as usize));
-        for h in 0..hq {
-            let kvh = h / group;
-            let qrow = &q[(i * hq + h) * d..][..d];
-            let scores: Vec<f64> = (first..=t)
-                .map(|j| {
-                    let krow = &k[(j * hk + kvh) * d..][..d];
-                    scale * qrow.iter().zip(krow).map(|(a, b)| a.to_f64() * b.to_f64()).sum::<f64>()
-                })
-                .collect();
-            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let sum: f64 = weights.iter().sum();
-            let o = &mut out[(i * hq + h) * d..][..d];
-            for (j, w) in (first..=t).zip(&weights) {
-                let vrow = &v[(j * hk + kvh) * d..][..d];
-                for (o, x) in o.iter_mut().zip(vrow) {
-                    *o += w / sum * x.to_f64();
-                }
-            }
-        }
-    }
-    out
+    let case = common::AttentionCase {
+        n: c.n as usize,
+        pos0: c.pos0 as usize,
+        n_head: c.n_head as usize,
+        n_kv_head: c.n_kv_head as usize,
+        d: c.head_dim as usize,
+    };
+    let window = c.window.map_or(usize::MAX, |w| w as usize);
+    common::attention_reference(q, k, v, &case, scale, |_, t, j| t - j < window)
 }
 
 fn check_attention(ctx: &GpuContext, path: KernelPath, c: &Case, noise: &mut Noise) {

@@ -46,33 +46,14 @@ struct Case {
 
 /// Softmax attention in f64 over the keys `index` lets query t of each head see.
 fn masked_reference(q: &[f16], k: &[f16], v: &[f16], c: &Case, index: &SparseIndex, scale: f64) -> Vec<f64> {
-    let (hq, hk, d) = (c.n_head as usize, c.n_kv_head as usize, c.d as usize);
-    let mut out = vec![0.0; c.n as usize * hq * d];
-    for i in 0..c.n as usize {
-        let t = c.pos0 as usize + i;
-        for h in 0..hq {
-            let kvh = h / (hq / hk);
-            let keys: Vec<usize> = (0..=t).filter(|&j| index.sees(kvh as u32, t as u32, j as u32)).collect();
-            let qrow = &q[(i * hq + h) * d..][..d];
-            let scores: Vec<f64> = keys
-                .iter()
-                .map(|&j| {
-                    let krow = &k[(j * hk + kvh) * d..][..d];
-                    scale * qrow.iter().zip(krow).map(|(a, b)| a.to_f64() * b.to_f64()).sum::<f64>()
-                })
-                .collect();
-            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-            let sum: f64 = weights.iter().sum();
-            let o = &mut out[(i * hq + h) * d..][..d];
-            for (&j, w) in keys.iter().zip(&weights) {
-                for (o, x) in o.iter_mut().zip(&v[(j * hk + kvh) * d..][..d]) {
-                    *o += w / sum * x.to_f64();
-                }
-            }
-        }
-    }
-    out
+    let case = common::AttentionCase {
+        n: c.n as usize,
+        pos0: c.pos0 as usize,
+        n_head: c.n_head as usize,
+        n_kv_head: c.n_kv_head as usize,
+        d: c.d as usize,
+    };
+    common::attention_reference(q, k, v, &case, scale, |kvh, t, j| index.sees(kvh as u32, t as u32, j as u32))
 }
 
 fn check(ctx: &GpuContext, path: KernelPath, c: &Case, masks: &[&Mask], noise: &mut Noise) {

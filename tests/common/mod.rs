@@ -136,6 +136,56 @@ pub fn kernel_paths(ctx: &sift::gpu::GpuContext, test: &str) -> Vec<sift::gpu::K
         .collect()
 }
 
+/// The shape of a GPU attention call as the f64 references read it: `n`
+/// query rows at positions `pos0..`, Q `[n][n_head][d]`, K and V
+/// `[positions][n_kv_head][d]`, all f16.
+pub struct AttentionCase {
+    pub n: usize,
+    pub pos0: usize,
+    pub n_head: usize,
+    pub n_kv_head: usize,
+    pub d: usize,
+}
+
+/// Softmax attention in f64, query row `t` of each head over the keys
+/// `j ≤ t` for which `sees(kv_head, t, j)` holds, in position order.
+pub fn attention_reference(
+    q: &[half::f16],
+    k: &[half::f16],
+    v: &[half::f16],
+    c: &AttentionCase,
+    scale: f64,
+    sees: impl Fn(usize, usize, usize) -> bool,
+) -> Vec<f64> {
+    let (hq, hk, d) = (c.n_head, c.n_kv_head, c.d);
+    let mut out = vec![0.0; c.n * hq * d];
+    for i in 0..c.n {
+        let t = c.pos0 + i;
+        for h in 0..hq {
+            let kvh = h / (hq / hk);
+            let keys: Vec<usize> = (0..=t).filter(|&j| sees(kvh, t, j)).collect();
+            let qrow = &q[(i * hq + h) * d..][..d];
+            let scores: Vec<f64> = keys
+                .iter()
+                .map(|&j| {
+                    let krow = &k[(j * hk + kvh) * d..][..d];
+                    scale * qrow.iter().zip(krow).map(|(a, b)| a.to_f64() * b.to_f64()).sum::<f64>()
+                })
+                .collect();
+            let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = weights.iter().sum();
+            let o = &mut out[(i * hq + h) * d..][..d];
+            for (&j, w) in keys.iter().zip(&weights) {
+                for (o, x) in o.iter_mut().zip(&v[(j * hk + kvh) * d..][..d]) {
+                    *o += w / sum * x.to_f64();
+                }
+            }
+        }
+    }
+    out
+}
+
 /// ‖got − want‖ / ‖want‖, NaN (failing every bound) if anything is not finite.
 pub fn relative_error(got: &[f32], want: &[f64]) -> f64 {
     assert_eq!(got.len(), want.len());
