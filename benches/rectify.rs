@@ -651,9 +651,11 @@ fn merge(args: &Args) -> anyhow::Result<()> {
             file.display(),
         );
         (m.teacher, m.free) = (m.teacher.max(r.teacher), m.free.max(r.free));
+        // One variant per name: teacher-forced where any file forced it.
         for v in &r.variants {
-            if !m.variants.contains(v) {
-                m.variants.push(*v);
+            match m.variants.iter_mut().find(|w| w.name() == v.name()) {
+                Some(w) => w.free_only &= v.free_only,
+                None => m.variants.push(*v),
             }
         }
         for run in read.runs {
@@ -758,11 +760,24 @@ impl Tally {
 }
 
 /// One teacher-forced prefix's mean KL without and with rectification over
-/// each span of [`Report::spans`].
+/// each span of [`Report::spans`] (none for a span it did not reach).
 struct Paired {
     index: usize,
-    without: Vec<f64>,
-    with: Vec<f64>,
+    without: Vec<Option<f64>>,
+    with: Vec<Option<f64>>,
+}
+
+/// The paired tests' result on one span.
+struct SpanTest {
+    span: Range<usize>,
+    /// Prefixes that decoded the whole span with and without rectification.
+    prefixes: usize,
+    /// Of those, on how many rectification lowered the mean KL.
+    lower: usize,
+    mean_without: f64,
+    mean_with: f64,
+    sign_p: f64,
+    wilcoxon_p: f64,
 }
 
 /// The tables of a set of prefix runs.
@@ -815,25 +830,49 @@ impl<'a> Report<'a> {
         [0..half, half..gen].into_iter().chain(late.filter(|_| gen > BIN)).collect()
     }
 
-    /// Per complete teacher-forced prefix of a pair, the spans' mean KL.
+    /// Per teacher-forced prefix of a pair, the spans' mean KL.
     fn paired(&self, (without, with): (usize, usize)) -> Vec<Paired> {
-        let gen = self.results.settings.gen;
         let spans = self.spans();
         let find = |run: &'a PrefixRun, i: usize| {
             let name = self.variants[i].name();
-            run.variants.iter().find(|v| v.policy == name && v.kl.len() == gen)
+            run.variants.iter().find(|v| v.policy == name && !v.kl.is_empty())
         };
-        let means = |v: &VariantRun| -> Vec<f64> {
-            spans.iter().map(|r| v.kl[r.clone()].iter().sum::<f64>() / r.len().max(1) as f64).collect()
+        let means = |v: &VariantRun| -> Vec<Option<f64>> {
+            let mean = |r: &Range<usize>| v.kl.get(r.clone()).map(|kl| kl.iter().sum::<f64>() / r.len() as f64);
+            spans.iter().map(mean).collect()
         };
         self.results
             .runs
             .iter()
-            .filter(|_| gen >= 2)
             .filter_map(|r| {
                 let (a, b) = (find(r, without)?, find(r, with)?);
                 Some(Paired { index: r.index, without: means(a), with: means(b) })
             })
+            .collect()
+    }
+
+    /// A pair's tests on every span but the first half, each over the
+    /// prefixes that decoded the whole span.
+    fn tests(&self, pair: (usize, usize)) -> Vec<SpanTest> {
+        let paired = self.paired(pair);
+        let spans = self.spans();
+        (1..spans.len())
+            .map(|k| {
+                let both: Vec<(f64, f64)> = paired.iter().filter_map(|p| Some((p.without[k]?, p.with[k]?))).collect();
+                let differences: Vec<f64> = both.iter().map(|(a, b)| a - b).collect();
+                let lower = differences.iter().filter(|&&d| d > 0.0).count();
+                let n = both.len().max(1) as f64;
+                SpanTest {
+                    span: spans[k].clone(),
+                    prefixes: both.len(),
+                    lower,
+                    mean_without: both.iter().map(|p| p.0).sum::<f64>() / n,
+                    mean_with: both.iter().map(|p| p.1).sum::<f64>() / n,
+                    sign_p: sign_test(lower, differences.iter().filter(|&&d| d != 0.0).count()),
+                    wilcoxon_p: wilcoxon_signed_rank(&differences),
+                }
+            })
+            .filter(|t| t.prefixes > 0)
             .collect()
     }
 
@@ -930,60 +969,68 @@ impl<'a> Report<'a> {
         let gen = self.results.settings.gen;
         let spans = self.spans();
         let name = |r: &Range<usize>| format!("{}–{}", r.start, r.end - 1);
-        let pairs: Vec<_> =
-            self.pairs().into_iter().map(|p| (p, self.paired(p))).filter(|(_, x)| !x.is_empty()).collect();
-        let Some((_, first)) = pairs.first() else { return };
-        let _ = writeln!(
-            s,
-            "Per prefix (the {} that decoded all {gen} tokens): mean KL over tokens {} and {}, without → with rectification\n",
-            first.len(),
-            name(&spans[0]),
-            name(&spans[1])
-        );
-        let _ = writeln!(s, "| policy | prefix | first half | second half | second half, with / without |");
-        let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: |");
-        for ((without, _), paired) in &pairs {
-            for p in paired {
-                let _ = writeln!(
-                    s,
-                    "| {} | {} | {:.6} → {:.6} | {:.6} → {:.6} | {:.3} |",
-                    self.variants[*without].name(),
-                    p.index,
-                    p.without[0],
-                    p.with[0],
-                    p.without[1],
-                    p.with[1],
-                    p.with[1] / p.without[1].max(1e-300)
-                );
+        let pairs = self.pairs();
+        let whole = |p: &Paired| p.without[1].is_some() && p.with[1].is_some();
+        let complete: Vec<(usize, Vec<Paired>)> = pairs
+            .iter()
+            .map(|&(without, with)| (without, self.paired((without, with)).into_iter().filter(whole).collect()))
+            .collect();
+        if complete.iter().any(|(_, p)| !p.is_empty()) {
+            let _ = writeln!(
+                s,
+                "Per prefix that decoded all {gen} tokens: mean KL over tokens {} and {}, without → with rectification\n",
+                name(&spans[0]),
+                name(&spans[1])
+            );
+            let _ = writeln!(s, "| policy | prefix | first half | second half | second half, with / without |");
+            let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: |");
+            for (without, paired) in &complete {
+                for p in paired {
+                    let (a, b) = (p.without[1].unwrap_or(0.0), p.with[1].unwrap_or(0.0));
+                    let _ = writeln!(
+                        s,
+                        "| {} | {} | {:.6} → {:.6} | {a:.6} → {b:.6} | {:.3} |",
+                        self.variants[*without].name(),
+                        p.index,
+                        p.without[0].unwrap_or(0.0),
+                        p.with[0].unwrap_or(0.0),
+                        b / a.max(1e-300)
+                    );
+                }
             }
+            s.push('\n');
+        }
+        let tests: Vec<_> =
+            pairs.iter().map(|&pair| (pair.0, self.tests(pair))).filter(|(_, t)| !t.is_empty()).collect();
+        if tests.is_empty() {
+            return;
         }
         let _ = writeln!(
             s,
-            "\nDoes rectification lower the mean KL? Paired over prefixes, one-sided (H₁: lower with rectification), \
-             sign test and Wilcoxon signed-rank (exact), decided at α = {ALPHA} by Wilcoxon\n"
+            "Does rectification lower the mean KL? Paired over the prefixes that decoded the whole span, one-sided \
+             (H₁: lower with rectification), sign test and Wilcoxon signed-rank (exact), decided at α = {ALPHA} by \
+             Wilcoxon (with n prefixes no p is below 2⁻ⁿ: 5 are needed to decide at all)\n"
         );
         let _ = writeln!(
             s,
             "| policy | tokens | lower with rectification | mean KL without → with | sign test p | Wilcoxon p | at α = {ALPHA} |"
         );
         let _ = writeln!(s, "| --- | --- | ---: | ---: | ---: | ---: | --- |");
-        for ((without, _), paired) in &pairs {
-            for (k, span) in spans.iter().enumerate().skip(1) {
-                let differences: Vec<f64> = paired.iter().map(|p| p.without[k] - p.with[k]).collect();
-                let lower = differences.iter().filter(|&&d| d > 0.0).count();
-                let mean = |x: &dyn Fn(&Paired) -> f64| paired.iter().map(x).sum::<f64>() / paired.len() as f64;
-                let wilcoxon = wilcoxon_signed_rank(&differences);
-                let verdict = if wilcoxon < ALPHA { "**lower**" } else { "not shown" };
+        for (without, tests) in &tests {
+            for t in tests {
+                let half = if t.span == spans[1] { " (second half)" } else { "" };
+                let verdict = if t.wilcoxon_p < ALPHA { "**lower**" } else { "not shown" };
                 let _ = writeln!(
                     s,
-                    "| {} | {}{} | {lower} of {} | {:.6} → {:.6} | {:.3} | {wilcoxon:.3} | {verdict} |",
+                    "| {} | {}{half} | {} of {} | {:.6} → {:.6} | {:.3} | {:.3} | {verdict} |",
                     self.variants[*without].name(),
-                    name(span),
-                    if k == 1 { " (second half)" } else { "" },
-                    paired.len(),
-                    mean(&|p| p.without[k]),
-                    mean(&|p| p.with[k]),
-                    sign_test(lower, differences.iter().filter(|&&d| d != 0.0).count()),
+                    name(&t.span),
+                    t.lower,
+                    t.prefixes,
+                    t.mean_without,
+                    t.mean_with,
+                    t.sign_p,
+                    t.wilcoxon_p,
                 );
             }
         }
@@ -1015,22 +1062,22 @@ impl<'a> Report<'a> {
                 })
             })
             .collect();
-        let spans = self.spans();
         let tests: Vec<_> = self
             .pairs()
             .into_iter()
             .map(|pair| {
-                let paired = self.paired(pair);
-                let per_span: Vec<_> = (1..spans.len())
-                    .map(|k| {
-                        let d: Vec<f64> = paired.iter().map(|p| p.without[k] - p.with[k]).collect();
-                        let lower = d.iter().filter(|&&d| d > 0.0).count();
+                let per_span: Vec<_> = self
+                    .tests(pair)
+                    .iter()
+                    .map(|t| {
                         serde_json::json!({
-                            "tokens": [spans[k].start, spans[k].end],
-                            "prefixes": paired.len(),
-                            "lower": lower,
-                            "sign_p": sign_test(lower, d.iter().filter(|&&d| d != 0.0).count()),
-                            "wilcoxon_p": wilcoxon_signed_rank(&d),
+                            "tokens": [t.span.start, t.span.end],
+                            "prefixes": t.prefixes,
+                            "lower": t.lower,
+                            "mean_kl_without": t.mean_without,
+                            "mean_kl_with": t.mean_with,
+                            "sign_p": t.sign_p,
+                            "wilcoxon_p": t.wilcoxon_p,
                         })
                     })
                     .collect();
