@@ -408,10 +408,24 @@ fn routed_prefill_of_a_short_prompt_gives_logits_close_to_dense() {
     assert!(kl <= 0.05, "KL(dense ‖ routed) = {kl}");
 }
 
+/// The (τ, budget) settings the GPU quality tests route with: the defaults,
+/// or `SIFT_ROUTE_SETTINGS`, comma-separated `τ:budget` pairs (the seed's
+/// latency–quality curve varies both).
+fn route_settings(defaults: &RouteSettings) -> Vec<(f64, f64)> {
+    let Ok(list) = std::env::var("SIFT_ROUTE_SETTINGS") else { return vec![(defaults.tau, defaults.budget)] };
+    list.split(',')
+        .map(|pair| {
+            let (tau, budget) = pair.split_once(':').expect("SIFT_ROUTE_SETTINGS: τ:budget pairs");
+            (tau.trim().parse().expect("τ"), budget.trim().parse().expect("budget"))
+        })
+        .collect()
+}
+
 /// A number hidden at 10%, 50% and 90% depth of a 30K-token PG-19 text and
 /// asked for at the end: routed prefill answers it whenever dense prefill
-/// does. Needs a GPU fast enough for 30K-token prefills (not lavapipe) and
-/// `../shared`; profiles the adapter first when it has no profile.
+/// does, at each of [`route_settings`]. Needs a GPU fast enough for 30K-token
+/// prefills (not lavapipe) and `../shared`; profiles the adapter first when
+/// it has no profile.
 #[test]
 #[ignore]
 fn routed_prefill_finds_the_needle_whenever_dense_does() {
@@ -440,6 +454,7 @@ fn routed_prefill_finds_the_needle_whenever_dense_does() {
     };
     let model = common::default_model();
     let model = model.to_str().unwrap();
+    let sweep = route_settings(&RouteSettings::default());
     if given.is_none() {
         sift(&["gpu-profile", "-m", model, "--tokens", "32768", "--runs", "1"], b"");
     }
@@ -456,38 +471,54 @@ fn routed_prefill_finds_the_needle_whenever_dense_does() {
             .find(|&i| i >= (body.len() as f64 * depth) as usize && body[..i].ends_with(". "))
             .unwrap();
         let prompt = format!("{}{needle}{}{question}", &body[..at], &body[at..]);
-        let answer = |attn: &str| {
-            let args = [
-                "run",
-                "-m",
-                model,
-                "--gpu",
-                "on",
-                "--prefill-attn",
-                attn,
-                "-c",
-                "32768",
-                "-n",
-                "8",
-                "--temp",
-                "0",
-                "--json",
-            ];
+        let answer = |more: &[&str]| {
+            let mut args = vec!["run", "-m", model, "--gpu", "on", "-c", "32768", "-n", "8", "--temp", "0", "--json"];
+            args.extend_from_slice(more);
             let out = sift(&args, prompt.as_bytes());
             let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
             (json["text"].as_str().unwrap().to_string(), json["prompt_tokens"].as_u64().unwrap())
         };
-        let (dense, tokens) = answer("dense");
-        let (routed, _) = answer("routed");
-        eprintln!("depth {depth}: {tokens} tokens; dense {dense:?}, routed {routed:?}");
-        if dense.contains(number) && !routed.contains(number) {
-            failures.push(depth);
+        let (dense, tokens) = answer(&["--prefill-attn", "dense"]);
+        for &(tau, budget) in &sweep {
+            let (tau_arg, budget_arg) = (tau.to_string(), budget.to_string());
+            let report = cache.join("needle-report.json");
+            let routed = answer(&[
+                "--prefill-attn",
+                "routed",
+                "--prefill-tau",
+                &tau_arg,
+                "--prefill-budget",
+                &budget_arg,
+                "--prefill-report",
+                report.to_str().unwrap(),
+            ])
+            .0;
+            let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
+            let chosen: Vec<String> = report["layers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|l| {
+                    l["heads"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(move |h| format!("{} {}{}", l["layer"], h["pattern"], h["budget"]))
+                })
+                .collect();
+            eprintln!(
+                "depth {depth}, τ {tau} budget {budget}: {tokens} tokens; dense {dense:?}, routed {routed:?} ({})",
+                chosen.join(", ")
+            );
+            if dense.contains(number) && !routed.contains(number) {
+                failures.push((depth, tau, budget));
+            }
         }
     }
     if given.is_none() {
         let _ = std::fs::remove_dir_all(&cache);
     }
-    assert!(failures.is_empty(), "routed missed the needle that dense found at depths {failures:?}");
+    assert!(failures.is_empty(), "routed missed the needle that dense found at (depth, τ, budget) {failures:?}");
 }
 
 /// Teacher-forced perplexity of the 2048 tokens after a 30,720-token prefix
@@ -498,9 +529,8 @@ fn routed_prefill_finds_the_needle_whenever_dense_does() {
 /// costs less than the probe). Routed must stay within 0.5% of dense, and the
 /// certificate must cover at least 95% of the audited heads. Needs a GPU fast
 /// enough for 30K-token prefills, this adapter's latency profile (`sift
-/// gpu-profile`) and `../shared`. `SIFT_ROUTE_TAUS` (comma-separated, default
-/// 0.95, the default τ) runs the routed side once per τ against one dense
-/// run: the seed's latency–quality curve varies τ.
+/// gpu-profile`) and `../shared`. `SIFT_ROUTE_SETTINGS` runs the routed side
+/// once per setting against one dense run (see [`route_settings`]).
 #[test]
 #[ignore]
 fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
@@ -520,12 +550,12 @@ fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
             settings
         }
     };
-    let taus: Vec<f64> = std::env::var("SIFT_ROUTE_TAUS")
-        .map_or(vec![settings.tau], |v| v.split(',').map(|t| t.trim().parse().expect("SIFT_ROUTE_TAUS")).collect());
-    let routed: Vec<GpuPrefill> = taus
+    let sweep = route_settings(&settings);
+    let routed: Vec<GpuPrefill> = sweep
         .iter()
-        .map(|&tau| {
-            GpuPrefill::new(gpu, &model).unwrap().with_routing(RouteSettings { tau, ..settings.clone() }).unwrap()
+        .map(|&(tau, budget)| {
+            let settings = RouteSettings { tau, budget, ..settings.clone() };
+            GpuPrefill::new(gpu, &model).unwrap().with_routing(settings).unwrap()
         })
         .collect();
     let mut head = sift::matmul::MatmulScratch::default();
@@ -557,13 +587,13 @@ fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
         let tokens = tokenizer.encode(&text, true, false).unwrap();
         assert!(tokens.len() > prefix + scored + 1);
         let dense_ppl = nll(&dense, &tokens).0.exp();
-        for (routed, tau) in routed.iter().zip(&taus) {
+        for (routed, (tau, budget)) in routed.iter().zip(&sweep) {
             let (routed_nll, report) = nll(routed, &tokens);
             let (routed_ppl, report) = (routed_nll.exp(), report.unwrap());
             for layer in &report.layers {
                 for h in &layer.heads {
                     eprintln!(
-                        "{book} τ {tau} layer {} kv head {}: {} {:?} density {:.3} m̂ {:.4} m̲ {:.4} fallback {} {:?}",
+                        "{book} τ {tau} budget {budget} layer {} kv head {}: {} {:?} density {:.3} m̂ {:.4} m̲ {:.4} fallback {} {:?}",
                         layer.layer,
                         h.kv_head,
                         h.pattern,
@@ -588,7 +618,7 @@ fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
             let change = routed_ppl / dense_ppl - 1.0;
             let t = &report.timing;
             eprintln!(
-                "{book} τ {tau}: PPL of {scored} tokens after {prefix}: dense {dense_ppl:.4}, routed {routed_ppl:.4} ({:+.3}%); \
+                "{book} τ {tau} budget {budget}: PPL of {scored} tokens after {prefix}: dense {dense_ppl:.4}, routed {routed_ppl:.4} ({:+.3}%); \
                  routed layers {:.1} ms wall (probe {:.1}, index {:.1}, routing {:.1}, lists {:.1}, kernels {:.1} = dense {:.1} + sparse {:.1}) \
                  against {:.1} ms dense (profile)",
                 100.0 * change,
@@ -603,7 +633,8 @@ fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
                 t.dense_estimate_ms
             );
             if change.abs() > 0.005 {
-                failures.push(format!("{book} τ {tau}: routed PPL {routed_ppl} against dense {dense_ppl}"));
+                failures
+                    .push(format!("{book} τ {tau} budget {budget}: routed PPL {routed_ppl} against dense {dense_ppl}"));
             }
         }
     }
