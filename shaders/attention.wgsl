@@ -31,8 +31,9 @@
 // and bits; the running maximum and sum of the softmax are kept per query in
 // f32, and the accumulator is rescaled once per 16 keys.
 //
-// The Rust prepends `const D: u32 = …;` (the head dimension, a multiple of 32)
-// and one of the key-span files (which `partial` does not use).
+// The Rust prepends `const D: u32 = …;` (the head dimension, a multiple of 32),
+// attention_heads.wgsl and one of the key-span files (which `partial` does not
+// use).
 
 enable f16;
 
@@ -54,6 +55,8 @@ struct Shape {
     n_kv_head: u32,
     window: u32,
     scale: f32,
+    // `main` only: the KV heads computed (attention_heads.wgsl).
+    kv_heads: u32,
     // `partial` only: whether the mask is causal, and the keys of the piece.
     causal: u32,
     n_keys: u32,
@@ -173,8 +176,9 @@ fn attend(t: u32, t_groups: u32, lane: u32, clear: bool) {
 
 @compute @workgroup_size(128)
 fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let head = group.y;
-    let kv_head = head / (shape.n_head / shape.n_kv_head);
+    let group_heads = shape.n_head / shape.n_kv_head;
+    let kv_head = selected_kv_head(group.y / group_heads);
+    let head = kv_head * group_heads + group.y % group_heads;
     let kv_len = shape.pos0 + shape.n;
     let first_query = group.x * QUERIES;
     let query = first_query + lid / LANES;
@@ -189,8 +193,9 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index
 
     load_query(query, head, lane, live);
     for (var e0 = 0u; e0 < span.len; e0 += KEYS) {
+        let tile = tile_at(span, e0);
         if lid < KEYS {
-            let j = key_at(span, e0 + lid);
+            let j = tile_key(tile, lid);
             let key = select(NO_KEY, j, j < kv_len);
             key_row[lid] = key;
             key_position[lid] = key;

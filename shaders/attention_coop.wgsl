@@ -27,8 +27,8 @@
 // The price is computing Q·Kᵀ twice: 3/2 of the products of one pass.
 //
 // The Rust prepends `const D: u32 = …;` (64, 128 or 256) and
-// `const HEADS: u32 = …;` (1, 2 or 4, dividing n_head / n_kv_head), and one of
-// the key-span files.
+// `const HEADS: u32 = …;` (1, 2 or 4, dividing n_head / n_kv_head),
+// attention_heads.wgsl and one of the key-span files.
 
 enable f16;
 enable wgpu_cooperative_matrix;
@@ -50,6 +50,8 @@ struct Shape {
     n_kv_head: u32,
     window: u32,
     scale: f32,
+    // The KV heads computed (attention_heads.wgsl).
+    kv_heads: u32,
 }
 
 var<immediate> shape: Shape;
@@ -91,15 +93,16 @@ fn visible(t: u32, j: u32) -> bool {
 // workgroup memory, with their positions.
 fn stage(blk: Block, span: Span, e0: u32, lid: u32, values: bool) {
     let quads = D / 4u;
+    let tile = tile_at(span, e0);
     if lid < KEYS {
-        key_tile[lid] = key_at(span, e0 + lid);
+        key_tile[lid] = tile_key(tile, lid);
     }
     for (var i = 0u; i < D / 32u; i++) {
         let e = lid + i * 256u;
         let key = e / quads;
         let quad = e % quads;
         // An entry past the span reads position 0, and the mask drops it.
-        let j = key_at(span, e0 + key);
+        let j = tile_key(tile, key);
         let at = (select(j, 0u, j == NO_KEY) * shape.n_kv_head + blk.kv_head) * quads + quad;
         let to = key * KV_STRIDE + quad * 4u;
         let kx = k[at];
@@ -189,7 +192,7 @@ fn main(
     var blk: Block;
     // The longest rows (the last tokens) first, so that short ones fill in.
     blk.token0 = (groups.x - 1u - group.x) * TOKENS;
-    blk.kv_head = group.y / head_blocks;
+    blk.kv_head = selected_kv_head(group.y / head_blocks);
     blk.head0 = blk.kv_head * group_heads + (group.y % head_blocks) * HEADS;
 
     let t_first = shape.pos0 + blk.token0;

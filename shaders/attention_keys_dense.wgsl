@@ -1,7 +1,9 @@
 // The keys a dense attention workgroup visits: every position from the
 // window's start (rounded down to the kernel's KEYS) to its last query, in
-// order. Prepended to attention.wgsl and attention_coop.wgsl, which call
-// key_span and key_at; see attention_keys_sparse.wgsl for the other choice.
+// order. Prepended to attention.wgsl, attention_coop.wgsl and
+// route_row_stats.wgsl, which call key_span once, then tile_at and tile_key
+// for each tile of entries; see attention_keys_sparse.wgsl for the other
+// choice.
 
 const NO_KEY: u32 = 0xffffffffu;
 
@@ -19,8 +21,19 @@ fn key_span(kv_head: u32, t_first: u32, t_last: u32) -> Span {
     return Span(begin, t_last + 1u - begin);
 }
 
-// The position of the span's entry e; entries past its end read as
-// positions past the last query, which no mask lets through.
-fn key_at(span: Span, e: u32) -> u32 {
-    return span.begin + e;
+// The span's entries e0 .. e0 + n, for a tile of n dividing 64 (e0 a
+// multiple of n): `count` consecutive positions from `first`.
+struct Tile {
+    first: u32,
+    count: u32,
+}
+
+fn tile_at(span: Span, e0: u32) -> Tile {
+    return Tile(span.begin + e0, span.len - e0);
+}
+
+// The position of the tile's entry i; entries past the span's end read as
+// NO_KEY, a position past the last query, which no mask lets through.
+fn tile_key(tile: Tile, i: u32) -> u32 {
+    return select(NO_KEY, tile.first + i, i < tile.count);
 }

@@ -1,12 +1,17 @@
 // The keys a sparse attention workgroup visits: the key lists of its KV head
 // and query block (64 positions; the index covers the same number of query
-// blocks for every KV head),
-// built by the index builders of src/gpu/route/. Entry e of a span is
-// position e % 64 of the span's (e / 64)-th listed key block while e is below
-// 64 times their count, then the listed single positions (vertical lines that
-// no listed block holds). Both lists ascend. Prepended to attention.wgsl and
-// attention_coop.wgsl in place of attention_keys_dense.wgsl; the mask stays
-// the causal one, so a query sees exactly the listed keys at or before it.
+// blocks for every KV head), built by the index builders of src/gpu/route/.
+// Entry e of a span is position e % 64 of the span's (e / 64)-th listed key
+// block while e is below 64 times their count, then the listed single
+// positions (vertical lines that no listed block holds). Both lists ascend.
+// Prepended to attention.wgsl, attention_coop.wgsl and route_row_stats.wgsl
+// in place of attention_keys_dense.wgsl; the mask stays the causal one, so a
+// query sees exactly the listed keys at or before it.
+//
+// The kernels take entries a tile at a time (16, 32 or 64, dividing the 64
+// of a block), so a tile lies in one listed block or among the single
+// positions: a block's tile is consecutive positions found from one list
+// entry, as a dense tile is, and only single positions are read one by one.
 
 const NO_KEY: u32 = 0xffffffffu;
 const INDEX_BLOCK: u32 = 64u;
@@ -22,11 +27,7 @@ struct Span {
     block0: u32,
     blocks: u32,
     column0: u32,
-    columns: u32,
     len: u32,
-    // Every block up to the query block's own is listed: the keys are the
-    // positions 0 .. len in order, and need not be read from the list.
-    every: bool,
 }
 
 // The keys of queries t_first ..= t_last, which lie in one query block.
@@ -37,21 +38,34 @@ fn key_span(kv_head: u32, t_first: u32, t_last: u32) -> Span {
     let blocks = block_offsets[at + 1u] - block0;
     let column0 = column_offsets[at];
     let columns = column_offsets[at + 1u] - column0;
-    // Distinct blocks at or before the query block's, as many as there are.
-    let every = blocks == t_first / INDEX_BLOCK + 1u;
-    return Span(block0, blocks, column0, columns, blocks * INDEX_BLOCK + columns, every);
+    return Span(block0, blocks, column0, blocks * INDEX_BLOCK + columns);
 }
 
-fn key_at(span: Span, e: u32) -> u32 {
-    if span.every {
-        return select(NO_KEY, e, e < span.len);
-    }
+// The span's entries e0 .. e0 + n, for a tile of n dividing 64 (e0 a
+// multiple of n): in a listed block, `count` consecutive positions from
+// `first`; among the single positions, `count` of them from the column list's
+// entry `first`.
+struct Tile {
+    first: u32,
+    count: u32,
+    listed: bool,
+}
+
+fn tile_at(span: Span, e0: u32) -> Tile {
     let in_blocks = span.blocks * INDEX_BLOCK;
-    if e < in_blocks {
-        return block_list[span.block0 + e / INDEX_BLOCK] * INDEX_BLOCK + e % INDEX_BLOCK;
+    if e0 < in_blocks {
+        let block = block_list[span.block0 + e0 / INDEX_BLOCK];
+        return Tile(block * INDEX_BLOCK + e0 % INDEX_BLOCK, INDEX_BLOCK - e0 % INDEX_BLOCK, false);
     }
-    if e < span.len {
-        return column_list[span.column0 + e - in_blocks];
+    return Tile(span.column0 + e0 - in_blocks, span.len - e0, true);
+}
+
+fn tile_key(tile: Tile, i: u32) -> u32 {
+    if i >= tile.count {
+        return NO_KEY;
     }
-    return NO_KEY;
+    if tile.listed {
+        return column_list[tile.first + i];
+    }
+    return tile.first + i;
 }

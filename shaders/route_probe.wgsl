@@ -1,19 +1,23 @@
 // RouteSparse's shared probe and vertical-slash index builder: the probe
 // rows' attention over every key, in four kernels.
 //
-// tile_stats: a workgroup per (64-key block, KV head), an invocation per key.
-//   The probe's (row, query head) pairs are taken PAIRS at a time, their
-//   queries staged in workgroup memory; each invocation scores its key
-//   against all of them, and the workgroup reduces each pair's scores over
-//   its 64 keys to the block's softmax statistics (m, l = Σ exp(s − m)).
+// tile_stats: a workgroup of 256 per (64-key block, KV head). Four
+//   invocations take each (probe row, query head) pair, 64 pairs at a time,
+//   each holding a quarter of the pair's query in registers; the block's keys
+//   come through workgroup memory 16 at a time, and the pair's quarter dot
+//   products, summed by subgroup shuffles, fold into its online softmax
+//   statistics over the block (m, l = Σ exp(s − m)). No reduction across
+//   invocations, so a pass costs two barriers per 16 keys.
 // block_mass: a workgroup per (probe row, KV head) combines a row's block
 //   statistics into its whole-row (m, l) per query head, and writes the
 //   attention mass of every key block, l_b·exp(m_b − m) / l, averaged over the
 //   KV head's query heads (which share one mask): the pooled probe the
 //   router estimates each candidate's kept mass from.
-// recent_lines: like tile_stats, over the recent rows only, now with their
-//   whole-row statistics: each key's probability summed over the recent rows
-//   (vertical-slash's column score), and per key block the same
+// recent_lines: a workgroup of 64 per (64-key block, KV head), an invocation
+//   per key, scoring it against the recent rows (16 (row, query head) pairs
+//   staged at a time), now with their whole-row statistics: each key's
+//   probability summed over the recent rows (vertical-slash's column score),
+//   and per key block the same
 //   probabilities summed along each of the 127 diagonals that cross the
 //   block's 64 × 64 tile of (recent row, key) pairs, into workgroup slots
 //   that the invocations add to row by row.
@@ -22,10 +26,10 @@
 // Scores are in f32 from f16 operands; probabilities of masked keys (j > t)
 // are 0.
 
-// (row, query head) pairs scored per pass over a key block.
+// (row, query head) pairs recent_lines scores per pass over a key block.
 const PAIRS: u32 = 16u;
 
-// ---- tile_stats and recent_lines: scoring a key block against probe rows
+// ---- recent_lines' scoring of a key block against probe rows
 
 @group(0) @binding(1) var<storage, read> rows: array<u32>;
 @group(0) @binding(2) var<storage, read> q: array<vec4<f16>>;
@@ -111,62 +115,77 @@ fn scores(kv_head: u32, j: u32) -> array<f32, PAIRS> {
 // [kv_head][row][query head of the group][key block]: (m, l) over the block.
 @group(0) @binding(4) var<storage, read_write> block_stats: array<vec2<f32>>;
 
-var<workgroup> reduce: array<f32, PAIRS * BLOCK>;
-var<workgroup> pair_max: array<f32, PAIRS>;
+// The head size, a pipeline constant, so that each invocation's share of a
+// query stays in registers.
+override HEAD_DIM: u32 = 256u;
+// Invocations per (row, query head) pair, pairs a workgroup scores at once,
+// and keys staged at once.
+const LANES: u32 = 4u;
+const TILE_PAIRS: u32 = 64u;
+const TILE_KEYS: u32 = 16u;
+const MAX_SHARE: u32 = MAX_QUADS / LANES;
 
-// Reduces reduce[p][0 .. 64] for every pair p into reduce[p][0], by max or sum.
-fn reduce_pairs(lid: u32, by_max: bool) {
-    workgroupBarrier();
-    for (var w = BLOCK / 2u; w > 0u; w /= 2u) {
-        for (var e = lid; e < PAIRS * w; e += BLOCK) {
-            let at = (e / w) * BLOCK + e % w;
-            if by_max {
-                reduce[at] = max(reduce[at], reduce[at + w]);
-            } else {
-                reduce[at] += reduce[at + w];
-            }
-        }
-        workgroupBarrier();
-    }
-}
+// The staged keys, in f32: key i's quad c at i·(HEAD_DIM / 4) + c.
+var<workgroup> key_tile: array<vec4<f32>, TILE_KEYS * MAX_QUADS>;
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(256)
 fn tile_stats(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let kb = group.x;
     let kv_head = group.y;
-    let j = kb * BLOCK + lid;
     let heads = group_heads();
     let pairs = params.rows * heads;
-    for (var first = 0u; first < pairs; first += PAIRS) {
-        let last = stage(kv_head, first, pairs, lid);
+    let quads = HEAD_DIM / 4u;
+    let share = quads / LANES;
+    let lane = lid % LANES;
+    for (var first = 0u; first < pairs; first += TILE_PAIRS) {
+        // Invocations past the last pair score its row again and write nothing.
+        let p = min(first + lid / LANES, pairs - 1u);
+        let t = rows[p / heads];
+        // Lane `lane` holds the query's quads lane, lane + LANES, ...: the four
+        // lanes of a pair read adjacent quads of a staged key.
+        var q_share: array<vec4<f32>, MAX_SHARE>;
+        let q_at = ((t - params.pos0) * params.n_head + kv_head * heads + p % heads) * quads + lane;
+        for (var i = 0u; i < share; i++) {
+            q_share[i] = vec4<f32>(q[q_at + i * LANES]);
+        }
         var m = NEG_BIG;
         var l = 0.0;
-        // A block past every staged row is masked for all of them.
-        if kb * BLOCK <= last {
-            let s = scores(kv_head, j);
-            for (var p = 0u; p < PAIRS; p++) {
-                reduce[p * BLOCK + lid] = s[p];
-            }
-            reduce_pairs(lid, true);
-            if lid < PAIRS {
-                pair_max[lid] = reduce[lid * BLOCK];
+        for (var j0 = kb * BLOCK; j0 < kb * BLOCK + BLOCK; j0 += TILE_KEYS) {
+            workgroupBarrier();
+            for (var e = lid; e < TILE_KEYS * quads; e += 256u) {
+                let j = j0 + e / quads;
+                var x = vec4<f32>(0.0);
+                if j < kv_len() {
+                    x = vec4<f32>(k[(j * params.n_kv_head + kv_head) * quads + e % quads]);
+                }
+                key_tile[e] = x;
             }
             workgroupBarrier();
-            for (var p = 0u; p < PAIRS; p++) {
-                reduce[p * BLOCK + lid] = select(0.0, exp(s[p] - pair_max[p]), s[p] > NEG_BIG);
-            }
-            reduce_pairs(lid, false);
-            if lid < PAIRS {
-                m = pair_max[lid];
-                l = reduce[lid * BLOCK];
+            let sees = j0 <= t;
+            for (var jj = 0u; jj < TILE_KEYS; jj++) {
+                var part = 0.0;
+                if sees {
+                    for (var i = 0u; i < share; i++) {
+                        part += dot(q_share[i], key_tile[jj * quads + i * LANES + lane]);
+                    }
+                }
+                part += subgroupShuffleXor(part, 1u);
+                part += subgroupShuffleXor(part, 2u);
+                // Online (m, l) with one exponential a key (t < kv_len, so
+                // keys past the end are not seen).
+                if j0 + jj <= t {
+                    let score = part * params.scale;
+                    let top = max(m, score);
+                    let e = exp(min(m, score) - top);
+                    l = select(l + e, l * e + 1.0, score > m);
+                    m = top;
+                }
             }
         }
-        let p = first + lid;
-        if lid < PAIRS && p < pairs {
+        if first + lid / LANES < pairs && lane == 0u {
             let r = p / heads;
             block_stats[((kv_head * params.rows + r) * heads + p % heads) * key_blocks() + kb] = vec2<f32>(m, l);
         }
-        workgroupBarrier();
     }
 }
 

@@ -62,8 +62,8 @@ fn main(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index
         l[g] = 0.0;
     }
     let span = key_span(kv_head, t, t);
-    for (var e = lid; e < span.len; e += KEYS) {
-        let j = key_at(span, e);
+    for (var e0 = 0u; e0 < span.len; e0 += KEYS) {
+        let j = tile_key(tile_at(span, e0), lid);
         if j > t {
             continue;
         }

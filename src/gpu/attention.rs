@@ -20,6 +20,10 @@
 //! and the masks are the same; a sparse pattern only changes the sequence of
 //! positions, so its kernel does the work of the keys it lists and no other.
 //!
+//! A dispatch may compute only some of the KV heads ([`KvHeads`],
+//! `attention_heads.wgsl`): RouteSparse sends a layer's dense choices through
+//! the dense kernel and the rest through the sparse one, into the same O.
+//!
 //! [`SparseIndex`]: super::route::SparseIndex
 
 use super::pipeline::{Access, Pipeline};
@@ -29,13 +33,28 @@ use super::{KernelError, KernelPath};
 /// decomposed call ([`super::cqs`]).
 pub(crate) const TILED: &str = include_str!("../../shaders/attention.wgsl");
 const COOPERATIVE: &str = include_str!("../../shaders/attention_coop.wgsl");
+const HEADS: &str = include_str!("../../shaders/attention_heads.wgsl");
 const DENSE_KEYS: &str = include_str!("../../shaders/attention_keys_dense.wgsl");
 const SPARSE_KEYS: &str = include_str!("../../shaders/attention_keys_sparse.wgsl");
 
 /// The header the tiled shader is compiled behind for its dense entries (and
 /// for `partial`, which reads no key span but shares the module).
 pub(crate) fn tiled_header(head_dim: u32) -> String {
-    format!("const D: u32 = {head_dim}u;\n{DENSE_KEYS}")
+    shader(KernelPath::Tiled, head_dim, 1, false).1
+}
+
+/// The shader an [`Attention`] of `path` compiles and the header put in
+/// front of it: the head size, the cooperative shader's query heads per
+/// workgroup, the head selection and the key-span file (sparse or dense).
+pub(crate) fn shader(path: KernelPath, head_dim: u32, heads_per_block: u32, sparse: bool) -> (&'static str, String) {
+    let keys = if sparse { SPARSE_KEYS } else { DENSE_KEYS };
+    match path {
+        KernelPath::CooperativeMatrix => (
+            COOPERATIVE,
+            format!("const D: u32 = {head_dim}u;\nconst HEADS: u32 = {heads_per_block}u;\n{HEADS}\n{keys}"),
+        ),
+        KernelPath::Tiled => (TILED, format!("const D: u32 = {head_dim}u;\n{HEADS}\n{keys}")),
+    }
 }
 
 /// Rows of the cooperative shader's blocks, in tokens and in positions; also
@@ -84,6 +103,43 @@ impl AttentionShape {
     }
 }
 
+/// A set of KV heads for one dispatch: bit h for KV head h, at most
+/// [`KvHeads::MAX`] of them; every head by default.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KvHeads(u32);
+
+impl KvHeads {
+    /// Every KV head of the shape, however many.
+    pub const ALL: Self = Self(0);
+    /// The most KV heads a subset can name.
+    pub const MAX: u32 = 32;
+
+    /// The heads `heads`; `None` when there are none or one is not below
+    /// [`Self::MAX`].
+    pub fn of(heads: impl IntoIterator<Item = u32>) -> Option<Self> {
+        let bits = heads.into_iter().try_fold(0u32, |bits, h| (h < Self::MAX).then(|| bits | 1 << h))?;
+        (bits != 0).then_some(Self(bits))
+    }
+
+    /// How many of a shape's `n_kv_head` heads the set holds.
+    pub fn count(self, n_kv_head: u32) -> u32 {
+        match self.0 {
+            0 => n_kv_head,
+            bits => bits.count_ones(),
+        }
+    }
+
+    /// Whether KV head `h` is in the set.
+    pub fn contains(self, h: u32) -> bool {
+        self.0 == 0 || (h < Self::MAX && self.0 >> h & 1 == 1)
+    }
+
+    /// Whether the set holds a head at or past `n_kv_head`.
+    fn exceeds(self, n_kv_head: u32) -> bool {
+        n_kv_head < Self::MAX && self.0 >> n_kv_head != 0
+    }
+}
+
 /// The attention pipeline of one path, head dimension and head grouping.
 pub struct Attention {
     kernel: Pipeline,
@@ -103,6 +159,8 @@ pub struct IndexBuffers<'b> {
     pub column_offsets: &'b wgpu::Buffer,
     pub columns: &'b wgpu::Buffer,
     pub query_blocks: u32,
+    /// The KV heads the index lists keys for: the heads its dispatch computes.
+    pub kv_heads: KvHeads,
 }
 
 impl Attention {
@@ -139,19 +197,13 @@ impl Attention {
             return bad("no query heads per KV head".into());
         }
         let heads_per_block = [4, 2, 1].into_iter().find(|h| group_heads.is_multiple_of(*h)).unwrap_or(1);
-        let (source, header) = match path {
-            KernelPath::CooperativeMatrix => {
-                if ![64, 128, 256].contains(&head_dim) {
-                    return bad(format!("head dimension {head_dim}: the cooperative shader takes 64, 128 or 256"));
-                }
-                (COOPERATIVE, format!("const D: u32 = {head_dim}u;\nconst HEADS: u32 = {heads_per_block}u;"))
-            }
-            KernelPath::Tiled => (TILED, format!("const D: u32 = {head_dim}u;")),
-        };
-        let (keys, label, buffers): (_, _, &[Access]) = match sparse {
-            false => (DENSE_KEYS, "attention", &[Access::Read, Access::Read, Access::Read, Access::ReadWrite]),
+        if path == KernelPath::CooperativeMatrix && ![64, 128, 256].contains(&head_dim) {
+            return bad(format!("head dimension {head_dim}: the cooperative shader takes 64, 128 or 256"));
+        }
+        let (source, header) = shader(path, head_dim, heads_per_block, sparse);
+        let (label, buffers): (_, &[Access]) = match sparse {
+            false => ("attention", &[Access::Read, Access::Read, Access::Read, Access::ReadWrite]),
             true => (
-                SPARSE_KEYS,
                 "sparse attention",
                 &[
                     Access::Read,
@@ -165,7 +217,7 @@ impl Attention {
                 ],
             ),
         };
-        let kernel = Pipeline::new(device, label, &format!("{header}\n{keys}"), source, buffers);
+        let kernel = Pipeline::new(device, label, &header, source, buffers);
         Ok(Self { kernel, path, head_dim, group_heads, heads_per_block, sparse })
     }
 
@@ -222,15 +274,28 @@ impl Attention {
         shape: &AttentionShape,
         sizes: [u64; 4],
     ) -> Result<(), KernelError> {
+        self.dispatch_heads(pass, bind, shape, sizes, KvHeads::ALL)
+    }
+
+    /// [`Self::dispatch`] for the KV heads `heads` only; the other heads' rows
+    /// of O are left as they are.
+    pub fn dispatch_heads(
+        &self,
+        pass: &mut wgpu::ComputePass,
+        bind: &wgpu::BindGroup,
+        shape: &AttentionShape,
+        sizes: [u64; 4],
+        heads: KvHeads,
+    ) -> Result<(), KernelError> {
         if self.sparse {
             return Err(KernelError::Shape { kernel: "sparse attention", what: "dispatched without an index".into() });
         }
-        self.dispatch_with(pass, bind, shape, sizes)
+        self.dispatch_with(pass, bind, shape, sizes, heads)
     }
 
     /// [`Self::dispatch`] for a sparse kernel bound with `index`, which must
     /// cover every query of `shape` (the shader finds the query blocks per KV
-    /// head from the length of its offsets).
+    /// head from the length of its offsets), for the KV heads the index lists.
     pub fn dispatch_sparse(
         &self,
         pass: &mut wgpu::ComputePass,
@@ -257,7 +322,7 @@ impl Attention {
         if index.block_offsets.size() != offsets || index.column_offsets.size() != offsets {
             return bad(format!("index offsets of {} bytes for {offsets}", index.block_offsets.size()));
         }
-        self.dispatch_with(pass, bind, shape, sizes)
+        self.dispatch_with(pass, bind, shape, sizes, index.kv_heads)
     }
 
     fn dispatch_with(
@@ -266,6 +331,7 @@ impl Attention {
         bind: &wgpu::BindGroup,
         shape: &AttentionShape,
         sizes: [u64; 4],
+        heads: KvHeads,
     ) -> Result<(), KernelError> {
         let bad = |what: String| Err(KernelError::Shape { kernel: "attention", what });
         if shape.n == 0 {
@@ -279,6 +345,9 @@ impl Attention {
         }
         if shape.window == Some(0) {
             return bad("a window of 0 positions".into());
+        }
+        if heads.exceeds(shape.n_kv_head) {
+            return bad(format!("{heads:?} names a head past the shape's {}", shape.n_kv_head));
         }
         let d = self.head_dim as u64;
         let q_rows = self.query_rows(shape) as u64;
@@ -297,16 +366,16 @@ impl Attention {
         let groups = match self.path {
             KernelPath::CooperativeMatrix => [
                 shape.n.div_ceil(BLOCK / self.heads_per_block),
-                shape.n_kv_head * (self.group_heads / self.heads_per_block),
+                heads.count(shape.n_kv_head) * (self.group_heads / self.heads_per_block),
                 1,
             ],
-            KernelPath::Tiled => [shape.n.div_ceil(16), shape.n_head, 1],
+            KernelPath::Tiled => [shape.n.div_ceil(16), heads.count(shape.n_kv_head) * self.group_heads, 1],
         };
         if groups[0] > 65535 || groups[1] > 65535 {
             return bad(format!("{} queries need more than 65535 workgroups", shape.n));
         }
         // The tiled shader's shape goes on with `partial`'s fields: causal,
-        // and the keys (the cooperative shader reads the first six only).
+        // and the keys (the cooperative shader reads the first seven only).
         let immediates = [
             shape.n,
             shape.pos0,
@@ -314,6 +383,7 @@ impl Attention {
             shape.n_kv_head,
             shape.window.unwrap_or(0),
             shape.scale.to_bits(),
+            heads.0,
             1,
             shape.kv_len(),
         ];

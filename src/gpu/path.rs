@@ -23,7 +23,7 @@ impl KernelPath {
         wgpu::Features::SHADER_F16.union(wgpu::Features::SUBGROUP).union(wgpu::Features::IMMEDIATES);
 
     /// Bytes of immediate data the kernels use at most.
-    pub const IMMEDIATE_BYTES: u32 = 32;
+    pub const IMMEDIATE_BYTES: u32 = 36;
 
     /// Workgroup memory of the largest cooperative kernel: the attention at
     /// head dimension 256 (32 keys and values, 64 × 32 scores and probabilities).
@@ -40,7 +40,7 @@ impl KernelPath {
             return lacks("f16 shaders, subgroups or immediates");
         }
         if ctx.limits.max_immediate_size < Self::IMMEDIATE_BYTES {
-            return lacks("32 bytes of immediates");
+            return lacks("36 bytes of immediates");
         }
         if ctx.info.subgroup_min_size < 8 {
             return lacks("subgroups of 8 or more");

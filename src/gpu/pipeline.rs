@@ -133,26 +133,20 @@ mod tests {
     /// the cooperative shaders on machines whose adapter cannot run them.
     #[test]
     fn every_shader_validates_and_translates() {
-        let tiled_attention = include_str!("../../shaders/attention.wgsl");
-        let coop_attention = include_str!("../../shaders/attention_coop.wgsl");
         let mut modules = vec![
             ("matmul".to_string(), with_header("", include_str!("../../shaders/matmul.wgsl"))),
             ("matmul_coop".to_string(), with_header("", include_str!("../../shaders/matmul_coop.wgsl"))),
         ];
-        let keys = [
-            ("dense", include_str!("../../shaders/attention_keys_dense.wgsl")),
-            ("sparse", include_str!("../../shaders/attention_keys_sparse.wgsl")),
-        ];
-        for (kind, keys) in keys {
+        use crate::gpu::KernelPath;
+        for sparse in [false, true] {
             for d in [64, 128, 256] {
-                let header = format!("const D: u32 = {d}u;\n{keys}");
-                modules.push((format!("attention {kind} D={d}"), with_header(&header, tiled_attention)));
-                for heads in [1, 2, 4] {
-                    let header = format!("const D: u32 = {d}u;\nconst HEADS: u32 = {heads}u;\n{keys}");
-                    modules.push((
-                        format!("attention_coop {kind} D={d} HEADS={heads}"),
-                        with_header(&header, coop_attention),
-                    ));
+                for (path, heads) in [(KernelPath::Tiled, 1), (KernelPath::CooperativeMatrix, 1)]
+                    .into_iter()
+                    .chain([2, 4].map(|h| (KernelPath::CooperativeMatrix, h)))
+                {
+                    let (source, header) = crate::gpu::attention::shader(path, d, heads, sparse);
+                    let name = format!("attention {} sparse={sparse} D={d} HEADS={heads}", path.name());
+                    modules.push((name, with_header(&header, source)));
                 }
             }
         }
@@ -165,6 +159,10 @@ mod tests {
                 naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
                     .validate(&module)
                     .unwrap_or_else(|e| panic!("{name}: {}", e.emit_to_string(&source)));
+            // Pipeline constants take their defaults, as wgpu does for those not given.
+            let (module, info) =
+                naga::back::pipeline_constants::process_overrides(&module, &info, None, &Default::default())
+                    .unwrap_or_else(|e| panic!("{name}: {e}"));
             let options = naga::back::spv::Options { lang_version: (1, 6), ..Default::default() };
             naga::back::spv::write_vec(&module, &info, &options, None).unwrap_or_else(|e| panic!("{name}: {e}"));
         }

@@ -27,7 +27,8 @@
 //! With [`GpuPrefill::with_routing`], the attention of layers without a
 //! window goes through [`RoutedAttention`] (RouteSparse: sparse patterns
 //! chosen per prompt), chunks are whole multiples of 64 tokens, and each
-//! prompt leaves a [`PrefillReport`].
+//! prompt that routes a layer leaves a [`PrefillReport`] (a shorter one, such
+//! as a decoding step, leaves the last).
 //!
 //! With an attention budget ([`GpuPrefill::with_attention_budget`]), a layer
 //! whose attention call would need more working memory than the budget
@@ -317,9 +318,10 @@ impl<'m> GpuPrefill<'m> {
         let hp = &self.model.hp;
         let (n, end) = (tokens.len(), start + tokens.len());
         let started = std::time::Instant::now();
-        if let Some(r) = &self.routed {
-            *r.report.lock().unwrap_or_else(|p| p.into_inner()) = PrefillReport::default();
-        }
+        // The report is of the last prompt that routed any layer: a later
+        // prompt too short to route (a decoding step) leaves it as it is.
+        let previous =
+            self.routed.as_ref().map(|r| std::mem::take(&mut *r.report.lock().unwrap_or_else(|p| p.into_inner())));
         let chunk = self.chunk_tokens().min(n);
         let ws = self.workspace(chunk)?;
         let kv_dim = hp.n_head_kv * hp.head_dim_k;
@@ -376,8 +378,12 @@ impl<'m> GpuPrefill<'m> {
             }
         }
         self.store_keys_and_values(&resident, start..end, cache)?;
-        if let Some(r) = &self.routed {
-            self.finish_report(r, n, started.elapsed().as_secs_f64() * 1e3)?;
+        if let (Some(r), Some(previous)) = (&self.routed, previous) {
+            let mut report = r.report.lock().unwrap_or_else(|p| p.into_inner());
+            match report.layers.is_empty() {
+                true => *report = previous,
+                false => self.finish_report(&mut report, &r.settings, n, started.elapsed().as_secs_f64() * 1e3)?,
+            }
         }
         let report = self.attention_report();
         if report.calls > 0 {
@@ -492,9 +498,13 @@ impl<'m> GpuPrefill<'m> {
     }
 
     /// Completes the routed prompt's report and writes it where asked.
-    fn finish_report(&self, routed: &RoutedAttention, tokens: usize, prefill_ms: f64) -> Result<(), GpuError> {
-        let mut report = routed.report.lock().unwrap_or_else(|p| p.into_inner());
-        let settings = &routed.settings;
+    fn finish_report(
+        &self,
+        report: &mut PrefillReport,
+        settings: &RouteSettings,
+        tokens: usize,
+        prefill_ms: f64,
+    ) -> Result<(), GpuError> {
         report.method = settings.pattern.map_or("routed", |p| p.name()).into();
         report.adapter = self.ctx.info.name.clone();
         report.tokens = tokens;

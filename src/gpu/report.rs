@@ -59,15 +59,24 @@ pub struct Timing {
     pub index_ms: f64,
     /// The probe's and index builders' kernels one by one, GPU milliseconds.
     pub probe_kernels_ms: std::collections::BTreeMap<String, f64>,
-    /// The router, on the CPU.
+    /// The router, on the CPU: every candidate's mask and estimate, and the plan.
     pub routing_ms: f64,
-    /// The attention kernels themselves.
+    /// The chosen masks spelt out into key lists, and their upload.
+    pub lists_ms: f64,
+    /// The attention kernels themselves: the dense kernel over the heads
+    /// that chose dense, then the sparse kernel over the others.
     pub kernel_ms: f64,
+    /// Of `kernel_ms`, the dense kernel's and the sparse kernel's parts.
+    pub dense_kernel_ms: f64,
+    pub sparse_kernel_ms: f64,
     /// The routed layers' attention on the wall clock, probe to kernel, the
-    /// readbacks and the CPU's work included (the audit not).
+    /// readbacks and the CPU's work included (the audit not), counted from
+    /// when the GPU has finished the layer's earlier work.
     pub routed_wall_ms: f64,
     /// What the latency profile says dense attention would have taken.
     pub dense_estimate_ms: f64,
+    /// With `--audit`: dense attention of the same calls, measured.
+    pub dense_measured_ms: Option<f64>,
     /// The whole prefill, wall clock, weights already on the GPU.
     pub prefill_ms: f64,
 }
@@ -101,6 +110,12 @@ pub struct LayerReport {
     pub budget_us: Option<f64>,
     pub planned_us: f64,
     pub dense_us: f64,
+    /// The call on the wall clock, probe to kernels (as `Timing::routed_wall_ms`).
+    pub wall_ms: f64,
+    /// Its attention kernels, GPU time.
+    pub kernel_ms: f64,
+    /// With `--audit`: the dense kernel over every head of the call, GPU time.
+    pub dense_ms: Option<f64>,
     pub heads: Vec<HeadReport>,
 }
 
@@ -128,6 +143,20 @@ pub struct HeadReport {
     /// 2(1 − m̲)·V_max: a bound on the mean per-row L2 error of the head's output.
     pub certificate: f64,
     pub audit: Option<HeadAudit>,
+    /// Every candidate the router weighed for the head, the chosen one included.
+    pub candidates: Vec<CandidateReport>,
+}
+
+/// One candidate (pattern and budget) for one KV head, as the router saw it.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CandidateReport {
+    pub pattern: String,
+    pub budget: Vec<usize>,
+    /// m̂ and m̲.
+    pub mass_estimate: f64,
+    pub mass_lower: f64,
+    /// The latency profile's kernel time for the head's mask, µs.
+    pub time_us: f64,
 }
 
 /// A head measured against dense attention.

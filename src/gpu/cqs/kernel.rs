@@ -81,6 +81,7 @@ impl PieceKernel {
             shape.n_kv_head,
             shape.window,
             shape.scale.to_bits(),
+            0,
             u32::from(shape.causal),
             shape.keys,
         ];

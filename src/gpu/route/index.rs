@@ -24,7 +24,7 @@ use std::sync::Arc;
 use half::f16;
 
 use super::probe::NO_BLOCK;
-use crate::gpu::attention::{IndexBuffers, BLOCK};
+use crate::gpu::attention::{IndexBuffers, KvHeads, BLOCK};
 use crate::gpu::{GpuContext, GpuError};
 
 const B: usize = BLOCK as usize;
@@ -194,11 +194,15 @@ impl Mask {
     }
 }
 
-/// The key lists of every KV head, as the sparse kernel reads them.
+/// The key lists of the KV heads a sparse dispatch computes, as the sparse
+/// kernel reads them.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SparseIndex {
     pub kv_heads: u32,
     pub query_blocks: u32,
+    /// Per KV head, whether it has lists (the others, empty, are computed
+    /// elsewhere).
+    pub listed: Vec<bool>,
     /// `kv_heads · query_blocks + 1` offsets into `blocks`.
     pub block_offsets: Vec<u32>,
     pub blocks: Vec<u32>,
@@ -208,12 +212,14 @@ pub struct SparseIndex {
 }
 
 impl SparseIndex {
-    /// The index of `masks` (one per KV head) over `positions` positions.
-    pub fn new(masks: &[&Mask], positions: u32) -> Self {
+    /// The index of `masks` (one per KV head; `None`: the head is not in the
+    /// sparse dispatch, and its lists are empty) over `positions` positions.
+    pub fn new(masks: &[Option<&Mask>], positions: u32) -> Self {
         let query_blocks = positions.div_ceil(BLOCK);
         let mut index = Self {
             kv_heads: masks.len() as u32,
             query_blocks,
+            listed: masks.iter().map(Option::is_some).collect(),
             block_offsets: vec![0],
             column_offsets: vec![0],
             ..Self::default()
@@ -221,7 +227,13 @@ impl SparseIndex {
         let (mut blocks, mut columns) = (Vec::new(), Vec::new());
         for mask in masks {
             for b in 0..query_blocks {
-                mask.keys(b, &mut blocks, &mut columns);
+                match mask {
+                    Some(mask) => mask.keys(b, &mut blocks, &mut columns),
+                    None => {
+                        blocks.clear();
+                        columns.clear();
+                    }
+                }
                 index.blocks.extend_from_slice(&blocks);
                 index.columns.extend_from_slice(&columns);
                 index.block_offsets.push(index.blocks.len() as u32);
@@ -258,9 +270,24 @@ impl SparseIndex {
         visited / dense
     }
 
+    /// The KV heads with lists: every head, or a set the kernel can name.
+    pub fn heads(&self) -> Option<KvHeads> {
+        match self.listed.iter().all(|&l| l) {
+            true => Some(KvHeads::ALL),
+            false => KvHeads::of((0..self.kv_heads).filter(|&h| self.listed[h as usize])),
+        }
+    }
+
     /// The four lists on the GPU.
     pub fn upload(&self, ctx: &GpuContext) -> Result<GpuIndex, GpuError> {
+        let Some(heads) = self.heads() else {
+            return Err(GpuError::Kernel {
+                kernel: "sparse attention".into(),
+                reason: format!("an index listing {:?} of {} KV heads", self.listed, self.kv_heads),
+            });
+        };
         Ok(GpuIndex {
+            heads,
             block_offsets: ctx.upload("index block offsets", &self.block_offsets)?,
             blocks: ctx.upload("index blocks", &self.blocks)?,
             column_offsets: ctx.upload("index column offsets", &self.column_offsets)?,
@@ -272,6 +299,7 @@ impl SparseIndex {
 
 /// A [`SparseIndex`] uploaded.
 pub struct GpuIndex {
+    pub heads: KvHeads,
     pub block_offsets: wgpu::Buffer,
     pub blocks: wgpu::Buffer,
     pub column_offsets: wgpu::Buffer,
@@ -287,6 +315,7 @@ impl GpuIndex {
             column_offsets: &self.column_offsets,
             columns: &self.columns,
             query_blocks: self.query_blocks,
+            kv_heads: self.heads,
         }
     }
 
@@ -386,7 +415,7 @@ mod tests {
     fn the_index_sees_exactly_the_masks_keys() {
         let a = Mask::BlockSparse(BlockSparse::new(&[vec![], vec![], vec![1], vec![1]]));
         let b = Mask::Dense;
-        let index = SparseIndex::new(&[&a, &b], 200);
+        let index = SparseIndex::new(&[Some(&a), Some(&b)], 200);
         assert_eq!(index.query_blocks, 4);
         assert!(index.sees(0, 150, 70) && !index.sees(0, 199, 150) && index.sees(0, 199, 3));
         assert!(index.sees(1, 199, 150) && !index.sees(1, 150, 151));

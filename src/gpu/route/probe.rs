@@ -211,7 +211,7 @@ impl ProbeKernels {
         Ok(Self {
             dense_stats: stats(DENSE_KEYS, &[r, r, r, rw]),
             sparse_stats: stats(SPARSE_KEYS, &[r, r, r, rw, r, r, r, r]),
-            tile_stats: ctx.kernel(&PROBE, "tile_stats", &[])?,
+            tile_stats: ctx.kernel(&PROBE, "tile_stats", &[("HEAD_DIM", head_dim as f64)])?,
             block_mass: ctx.kernel(&PROBE, "block_mass", &[])?,
             recent_lines: ctx.kernel(&PROBE, "recent_lines", &[])?,
             diagonals: ctx.kernel(&PROBE, "diagonals", &[])?,

@@ -192,7 +192,7 @@ impl LatencyProfile {
             let o = ctx.storage::<f32>("profile o", rows * n_head as usize * d)?;
             for c in Candidate::library() {
                 let mask = synthetic_mask(c, n);
-                let masks = vec![&mask; n_kv_head as usize];
+                let masks = vec![Some(&mask); n_kv_head as usize];
                 let index = SparseIndex::new(&masks, n);
                 let gpu_index = index.upload(ctx)?;
                 let buffers = gpu_index.buffers();

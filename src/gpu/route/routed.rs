@@ -9,8 +9,12 @@
 //! (`--prefill-attn routed`: [`super::router::route`] under the budget, with
 //! the latency profile's times) or applies one fixed pattern at
 //! MInference's budget (`ashape`, `vslash`, `blocksparse`: the baselines, no
-//! fallback). The chosen masks of all KV heads go into one index and one
-//! dispatch of the sparse kernel. With the audit on, dense attention runs
+//! fallback). The KV heads whose choice is dense go through the dense kernel,
+//! in one dispatch of those heads; the sparse choices of the others go into
+//! one index and one dispatch of the sparse kernel. Its times start once the
+//! GPU has finished the work recorded before (the layer's projections, and
+//! earlier layers'), so that they count what routing itself costs. With the
+//! audit on, dense attention runs
 //! beside it into scratch, and the true mass kept is measured on 256 rows
 //! spread over the chunk (row statistics over the index's keys against
 //! those over all keys).
@@ -27,8 +31,8 @@ use super::probe::{ProbeKernels, ProbeRows};
 use super::profile::LatencyProfile;
 use super::router::{route, Choice};
 use super::RouteSettings;
-use crate::gpu::attention::{Attention, AttentionShape, BLOCK};
-use crate::gpu::report::{HeadAudit, HeadReport, LayerReport, PrefillReport};
+use crate::gpu::attention::{Attention, AttentionShape, KvHeads, BLOCK};
+use crate::gpu::report::{CandidateReport, HeadAudit, HeadReport, LayerReport, PrefillReport};
 use crate::gpu::{GpuContext, GpuError, KernelPath};
 
 /// Rows of the chunk the audit measures the true mass on.
@@ -48,6 +52,14 @@ pub struct RoutedAttention {
 
 fn kernel_error(e: crate::gpu::KernelError) -> GpuError {
     GpuError::Kernel { kernel: "routed attention".into(), reason: e.to_string() }
+}
+
+/// One call measured against dense attention: per KV head the relative
+/// error, the mean per-row L2 error and the true mass kept; and the dense
+/// kernel's GPU time.
+struct Audit {
+    heads: Vec<(f64, f64, f64)>,
+    dense_ms: Option<f64>,
 }
 
 /// What one KV head got, before the report.
@@ -98,7 +110,7 @@ impl RoutedAttention {
             }
             _ => true,
         };
-        shape.window.is_none() && shape.pos0.is_multiple_of(BLOCK) && pays
+        shape.window.is_none() && shape.pos0.is_multiple_of(BLOCK) && shape.n_kv_head <= KvHeads::MAX && pays
     }
 
     /// Attention of layer `layer` for `shape` into `out`, from the chunk's f16
@@ -114,6 +126,7 @@ impl RoutedAttention {
         dense: &Attention,
         head_dim: usize,
     ) -> Result<(), GpuError> {
+        ctx.wait()?;
         let started = Instant::now();
         let hk = shape.n_kv_head as usize;
         let kv_len = shape.kv_len();
@@ -166,6 +179,22 @@ impl RoutedAttention {
                 (Some(plan), picks)
             }
         };
+        let weighed: Vec<Vec<CandidateReport>> = options
+            .iter()
+            .zip(&heads)
+            .map(|(o, choices)| {
+                o.iter()
+                    .zip(choices)
+                    .map(|((c, _, e), choice)| CandidateReport {
+                        pattern: c.pattern.name().into(),
+                        budget: c.pattern.budget_units(c.budget),
+                        mass_estimate: e.mass,
+                        mass_lower: choice.lower,
+                        time_us: choice.time_us,
+                    })
+                    .collect()
+            })
+            .collect();
         let chosen: Vec<Chosen> = options
             .into_iter()
             .zip(&picks)
@@ -176,37 +205,53 @@ impl RoutedAttention {
                 Chosen { candidate, lower: lower(&estimate), mask, estimate, fallback }
             })
             .collect();
-        let masks: Vec<&Mask> = chosen.iter().map(|c| &c.mask).collect();
-        let index = SparseIndex::new(&masks, kv_len);
-        let gpu_index = index.upload(ctx)?;
         let routing_ms = routing_started.elapsed().as_secs_f64() * 1e3;
 
-        let buffers = gpu_index.buffers();
+        // The dense choices to the dense kernel, the others to the sparse one.
+        let lists_started = Instant::now();
+        let is_dense = |c: &Chosen| c.mask == Mask::Dense;
+        let dense_heads = KvHeads::of((0..hk as u32).filter(|&h| is_dense(&chosen[h as usize])));
+        let sparse_masks: Vec<Option<&Mask>> = chosen.iter().map(|c| (!is_dense(c)).then_some(&c.mask)).collect();
+        let index = SparseIndex::new(&sparse_masks, kv_len);
+        let gpu_index = match sparse_masks.iter().any(Option::is_some) {
+            true => Some(index.upload(ctx)?),
+            false => None,
+        };
+        let lists_ms = lists_started.elapsed().as_secs_f64() * 1e3;
         let sizes = [q16.size(), keys.size(), values.size(), out.size()];
         let mut batch = ctx.batch();
         batch.mark();
-        // Every head dense: the dense kernel, faster than the sparse one over full lists.
-        if chosen.iter().all(|c| c.mask == Mask::Dense) {
+        if let Some(heads) = dense_heads {
             let bind = dense.bind(&ctx.device, q16, keys, values, out);
-            batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes)).map_err(kernel_error)?;
-        } else {
+            batch
+                .record("attention", |pass| dense.dispatch_heads(pass, &bind, shape, sizes, heads))
+                .map_err(kernel_error)?;
+        }
+        batch.mark();
+        if let Some(gpu_index) = &gpu_index {
+            let buffers = gpu_index.buffers();
             let bind = self.sparse.bind_sparse(&ctx.device, [q16, keys, values, out], &buffers);
             batch
                 .record("sparse attention", |pass| self.sparse.dispatch_sparse(pass, &bind, shape, sizes, &buffers))
                 .map_err(kernel_error)?;
         }
         batch.mark();
-        let kernel_ms = batch.submit_timed()?.and_then(|t| t.first().copied()).unwrap_or(0.0);
+        let kernel = batch.submit_timed()?.unwrap_or_default();
+        let (dense_kernel_ms, sparse_kernel_ms) = (kernel.first().copied(), kernel.get(1).copied());
+        let (dense_kernel_ms, sparse_kernel_ms) = (dense_kernel_ms.unwrap_or(0.0), sparse_kernel_ms.unwrap_or(0.0));
         let wall_ms = started.elapsed().as_secs_f64() * 1e3;
 
-        let audits = match self.settings.audit {
-            true => Some(self.audit(ctx, shape, [q16, keys, values, out], dense, &gpu_index, head_dim)?),
+        let audit = match self.settings.audit {
+            true => Some(self.audit(ctx, shape, [q16, keys, values, out], dense, gpu_index.as_ref(), head_dim)?),
             false => None,
         };
+        let dense_ms = audit.as_ref().and_then(|a| a.dense_ms);
         if self.settings.calibrate {
             self.calibrate(ctx, shape, [q16, keys], &probe, &rows)?;
         }
-        gpu_index.recycle(ctx);
+        if let Some(gpu_index) = gpu_index {
+            gpu_index.recycle(ctx);
+        }
         let v_max = match self.settings.report.is_some() || self.settings.audit {
             true => value_norm_max(&ctx.read::<f16>(values, 0, kv_len as usize * hk * head_dim)?, hk, head_dim),
             false => vec![0.0; hk],
@@ -215,11 +260,12 @@ impl RoutedAttention {
         let mut report = self.report.lock().unwrap_or_else(|p| p.into_inner());
         let heads_report: Vec<HeadReport> = chosen
             .iter()
+            .zip(weighed)
             .enumerate()
-            .map(|(h, c)| {
+            .map(|(h, (c, candidates))| {
                 let certificate = 2.0 * (1.0 - c.lower) * v_max[h];
-                let audit = audits.as_ref().map(|a| {
-                    let (relative_error, mean_row_error, true_mass) = a[h];
+                let audit = audit.as_ref().map(|a| {
+                    let (relative_error, mean_row_error, true_mass) = a.heads[h];
                     HeadAudit { relative_error, mean_row_error, true_mass, covered: mean_row_error <= certificate }
                 });
                 HeadReport {
@@ -235,6 +281,7 @@ impl RoutedAttention {
                     v_max: v_max[h],
                     certificate,
                     audit,
+                    candidates,
                 }
             })
             .collect();
@@ -247,6 +294,9 @@ impl RoutedAttention {
             budget_us: plan.as_ref().map(|p| p.budget_us),
             planned_us,
             dense_us,
+            wall_ms,
+            kernel_ms: dense_kernel_ms + sparse_kernel_ms,
+            dense_ms,
             heads: heads_report,
         });
         for (name, ms) in &probe.kernels {
@@ -255,14 +305,22 @@ impl RoutedAttention {
         report.timing.probe_ms += probe.probe_ms;
         report.timing.index_ms += probe.index_ms;
         report.timing.routing_ms += routing_ms;
-        report.timing.kernel_ms += kernel_ms;
+        report.timing.lists_ms += lists_ms;
+        report.timing.kernel_ms += dense_kernel_ms + sparse_kernel_ms;
+        report.timing.dense_kernel_ms += dense_kernel_ms;
+        report.timing.sparse_kernel_ms += sparse_kernel_ms;
         report.timing.routed_wall_ms += wall_ms;
         report.timing.dense_estimate_ms += dense_us / 1e3;
+        if let Some(ms) = dense_ms {
+            *report.timing.dense_measured_ms.get_or_insert(0.0) += ms;
+        }
         Ok(())
     }
 
     /// Per KV head: the relative error against dense attention over the
-    /// chunk, the mean per-row L2 error, and the mean true mass on the audit rows.
+    /// chunk, the mean per-row L2 error, and the mean true mass on the audit
+    /// rows (1 for the heads `index` does not list, which ran dense); and the
+    /// dense kernel's GPU time (`None` without timestamp queries).
     #[allow(clippy::too_many_arguments)]
     fn audit(
         &self,
@@ -270,24 +328,33 @@ impl RoutedAttention {
         shape: &AttentionShape,
         [q16, keys, values, out]: [&Buffer; 4],
         dense: &Attention,
-        index: &super::GpuIndex,
+        index: Option<&super::GpuIndex>,
         d: usize,
-    ) -> Result<Vec<(f64, f64, f64)>, GpuError> {
+    ) -> Result<Audit, GpuError> {
         let (hq, hk) = (shape.n_head as usize, shape.n_kv_head as usize);
         let n = shape.n as usize;
         let scratch = ctx.storage::<f32>("audit dense out", (out.size() / 4) as usize)?;
         let bind = dense.bind(&ctx.device, q16, keys, values, &scratch);
         let sizes = [q16.size(), keys.size(), values.size(), scratch.size()];
         let mut batch = ctx.batch();
+        batch.mark();
         batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes)).map_err(kernel_error)?;
-        batch.submit();
+        batch.mark();
+        let dense_ms = batch.submit_timed()?.and_then(|t| t.first().copied());
         let exact: Vec<f32> = ctx.read(&scratch, 0, n * hq * d)?;
         let sparse: Vec<f32> = ctx.read(out, 0, n * hq * d)?;
         ctx.recycle(scratch);
-        let masses = self.true_masses(ctx, shape, [q16, keys], Some(index))?;
+        let masses = match index {
+            Some(index) => self.true_masses(ctx, shape, [q16, keys], Some(index))?,
+            None => vec![1.0; hk],
+        };
         let group = hq / hk;
-        Ok((0..hk)
+        let heads = (0..hk)
             .map(|h| {
+                let mass = match index {
+                    Some(i) if i.heads.contains(h as u32) => masses[h],
+                    _ => 1.0,
+                };
                 let (mut diff, mut norm, mut row_error) = (0.0f64, 0.0f64, 0.0f64);
                 for t in 0..n {
                     for g in 0..group {
@@ -299,9 +366,10 @@ impl RoutedAttention {
                         row_error += row_diff.sqrt();
                     }
                 }
-                ((diff / norm.max(1e-300)).sqrt(), row_error / (n * group) as f64, masses[h])
+                ((diff / norm.max(1e-300)).sqrt(), row_error / (n * group) as f64, mass)
             })
-            .collect())
+            .collect();
+        Ok(Audit { heads, dense_ms })
     }
 
     /// Per KV head, the mean over the audit rows (and the head's query heads)
@@ -362,7 +430,7 @@ impl RoutedAttention {
         let mut residuals = Vec::new();
         for c in Candidate::library().iter().filter(|c| c.pattern != Pattern::Dense) {
             let masks: Vec<Mask> = (0..hk).map(|h| c.mask(probe, &lines[h], h)).collect();
-            let refs: Vec<&Mask> = masks.iter().collect();
+            let refs: Vec<Option<&Mask>> = masks.iter().map(Some).collect();
             let index = SparseIndex::new(&refs, shape.kv_len()).upload(ctx)?;
             let truth = self.true_masses(ctx, shape, qk, Some(&index))?;
             index.recycle(ctx);
