@@ -881,29 +881,31 @@ impl<'a> Report<'a> {
         let s_ = &self.results.settings;
         let mut s = String::new();
         let sparse: Vec<usize> = (1..self.variants.len()).filter(|&i| self.teacher[i].positions() > 0).collect();
-        if let Some(&first) = sparse.first() {
+        if !sparse.is_empty() {
             let _ = writeln!(
                 s,
-                "Teacher-forced, prefixes of {} tokens, {} tokens decoded: mean KL(dense ‖ policy) / top-1 agreement per bin of {BIN} positions\n",
+                "Teacher-forced, prefixes of {} tokens, {} tokens decoded: mean KL(dense ‖ policy) / top-1 agreement (prefixes) per bin of {BIN} positions\n",
                 s_.prefix, s_.gen
             );
             let names = sparse.iter().map(|&i| self.variants[i].name()).collect::<Vec<_>>().join(" | ");
-            let _ = writeln!(s, "| positions | prefixes | {names} |");
-            let _ = writeln!(s, "| --- | ---: |{}", " ---: |".repeat(sparse.len()));
-            for bin in 0..self.teacher[first].kl.len() {
+            let _ = writeln!(s, "| positions | {names} |");
+            let _ = writeln!(s, "| --- |{}", " ---: |".repeat(sparse.len()));
+            let bins = sparse.iter().map(|&i| self.teacher[i].kl.len()).max().unwrap_or(0);
+            for bin in 0..bins {
                 let cells: Vec<String> = sparse
                     .iter()
                     .map(|&i| {
                         let t = &self.teacher[i];
                         match bin < t.kl.len() {
-                            true => format!("{:.5} / {:.1}%", t.mean_kl(bin), 100.0 * t.top1(bin)),
+                            true => {
+                                format!("{:.5} / {:.1}% ({})", t.mean_kl(bin), 100.0 * t.top1(bin), t.prefixes[bin])
+                            }
                             false => "—".into(),
                         }
                     })
                     .collect();
                 let last = ((bin + 1) * BIN).min(s_.gen) - 1;
-                let prefixes = self.teacher[first].prefixes[bin];
-                let _ = writeln!(s, "| {}–{last} | {prefixes} | {} |", bin * BIN, cells.join(" | "));
+                let _ = writeln!(s, "| {}–{last} | {} |", bin * BIN, cells.join(" | "));
             }
             let all: Vec<String> = sparse
                 .iter()
@@ -911,7 +913,7 @@ impl<'a> Report<'a> {
                     format!("**{:.5} / {:.1}%**", self.teacher[i].overall_kl(), 100.0 * self.teacher[i].overall_top1())
                 })
                 .collect();
-            let _ = writeln!(s, "| all | | {} |\n", all.join(" | "));
+            let _ = writeln!(s, "| all | {} |\n", all.join(" | "));
             self.write_paired(&mut s);
         }
         let free: Vec<usize> = (0..self.variants.len()).filter(|&i| self.free[i].free_runs() > 0).collect();
