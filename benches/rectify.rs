@@ -3,7 +3,9 @@
 //! and without a dense rectification every 32 tokens.
 //!
 //! ```sh
-//! cargo bench --bench rectify -- --prefix 4096 --gen 1024 --teacher 4 --free 20 --out docs/rectify
+//! cargo bench --bench rectify -- --prefix 4096 --gen 1024 --teacher 4 --free 40 --out docs/rectify \
+//!     --variants certified,certified+rectify,certified:0.5,certified:0.5+rectify,resa,resa+rectify \
+//!     --free-variants certified:0.05+rectify
 //! ```
 //!
 //! Prefixes are spans of `--prefix` tokens (BOS first) of the books in
@@ -12,9 +14,15 @@
 //! weights (under 8-bit activation rounding any perturbation at all flips
 //! about 5% of top-1 choices, which would hide the policies' own effect).
 //! Each prefix is prefilled once, densely, and every policy decodes from a
-//! copy of that cache ([`Session::fork`]). Policies: dense, certified
-//! (ε = 0.1, δ = 0.001, value measure, fixed seed), certified with
-//! rectification, resa, resa with rectification.
+//! copy of that cache ([`Session::fork`]). Variants (`--variants`, each
+//! `certified[:EPS][+rectify]` or `resa[+rectify]`; default
+//! `certified,certified+rectify,resa,resa+rectify`) decode beside dense:
+//! certified attention at ε (default 0.1; δ = 0.001, value measure, fixed
+//! seed), resa, each with or without rectification every
+//! `--rectify-every` (32) tokens. `--free-variants` adds variants whose
+//! free-running result alone is wanted: on a teacher-forced prefix they
+//! stop as a free-running one would. The weights are dequantized to f32
+//! once and kept ([`sift::matmul::keep_dequantized_weights`]).
 //!
 //! * **Teacher-forced** (the first `--teacher` prefixes): dense decodes
 //!   `--gen` greedy tokens; every sparse policy decodes the same tokens in
@@ -29,11 +37,14 @@
 //!   so that step is found in lockstep with dense, and the policy stops
 //!   there.
 //!
-//! Rectification's effect is shown per prefix too: each policy's mean KL
-//! over the first and the second half of the teacher-forced tokens, with and
-//! without rectification, and on how many prefixes rectification lowers the
-//! second half's (a one-sided sign test over prefixes, which are independent
-//! spans of text; the positions within one prefix are not independent).
+//! Rectification's effect is shown per prefix too: each pair's mean KL over
+//! the first and the second half of the teacher-forced tokens, with and
+//! without rectification; then, over the second half and each of its bins,
+//! a paired one-sided test over prefixes (which are independent spans of
+//! text; the positions within one prefix are not) of "rectification lowers
+//! the mean KL": the sign test and Wilcoxon's signed-rank test (exact),
+//! decided at α = 0.05 by the latter. Free-running rates come with their
+//! Clopper–Pearson 95% interval.
 //!
 //! Writes `rectify-<prefix>.md` (the tables), `rectify-<prefix>.json` (the
 //! tables' numbers and every prefix's per-step record) and
@@ -47,7 +58,9 @@
 //! `rectify-<prefix>-part-A-B.json` and `.md`, no plot. `--merge PATH...`
 //! runs nothing: it reads the shards' (or whole runs') JSON, files or the
 //! `rectify-*.json` in directories, and writes each prefix length's tables,
-//! JSON and plot to `--out`, as one run of all of them would have. Decode
+//! JSON and plot to `--out`, as one run of all of them would have. Shards of
+//! the same prefix set may run different variants: each variant's rows are
+//! over the prefixes that ran it. Decode
 //! times are from loaded runs: compare them only with each other.
 
 use std::collections::BTreeMap;
@@ -61,7 +74,7 @@ use serde::{Deserialize, Serialize};
 use sift::attn::certified::{CertifiedPolicy, Grid, Params, PerturbationSeed};
 use sift::attn::dense::Dense;
 use sift::attn::resa::{self, Resa};
-use sift::attn::{AttentionKind, AttentionPolicy, Measure};
+use sift::attn::{AttentionPolicy, Measure};
 use sift::engine::{Session, DEFAULT_BATCH};
 use sift::gguf::GgufFile;
 use sift::kv::Storage;
@@ -86,8 +99,11 @@ struct Args {
     merge: Vec<PathBuf>,
 }
 
-/// What defines an experiment: runs with equal settings can be merged.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+/// What defines an experiment. Runs whose prefix set is the same (equal
+/// prefix length, generation lengths, interval and number of prefixes) can
+/// be merged, whatever variants each ran: the report has a row per variant
+/// name, over the prefixes that ran it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct Settings {
     prefix: usize,
     gen: usize,
@@ -95,12 +111,29 @@ struct Settings {
     free: usize,
     free_gen: usize,
     rectify_every: usize,
+    /// The variants decoded beside dense (results written before this field
+    /// existed ran the default ones).
+    #[serde(default = "Variant::defaults")]
+    variants: Vec<Variant>,
 }
 
 impl Settings {
     /// Prefixes in the set: the teacher-forced ones are its first.
     fn runs(&self) -> usize {
         self.teacher.max(self.free)
+    }
+
+    /// Whether runs of `self` and `other` are of the same prefixes and steps.
+    fn same_prefixes(&self, other: &Settings) -> bool {
+        (self.prefix, self.gen, self.free_gen, self.rectify_every, self.runs())
+            == (other.prefix, other.gen, other.free_gen, other.rectify_every, other.runs())
+    }
+
+    /// Dense first, then the sparse variants.
+    fn all_variants(&self) -> Vec<Variant> {
+        std::iter::once(Variant { policy: Policy::Dense, rectify: false, free_only: false })
+            .chain(self.variants.iter().copied())
+            .collect()
     }
 }
 
@@ -117,6 +150,7 @@ impl Args {
                 free: 20,
                 free_gen: 128,
                 rectify_every: DEFAULT_EVERY,
+                variants: Variant::defaults(),
             },
             threads: sift::threads::default_threads(),
             prefixes: None,
@@ -148,6 +182,15 @@ impl Args {
                 "--free" => s.free = number(&value)?,
                 "--free-gen" => s.free_gen = number(&value)?,
                 "--rectify-every" => s.rectify_every = number(&value)?,
+                "--variants" => {
+                    let free_only: Vec<Variant> = s.variants.iter().filter(|v| v.free_only).copied().collect();
+                    s.variants = value.split(',').map(Variant::parse).collect::<anyhow::Result<_>>()?;
+                    s.variants.extend(free_only);
+                }
+                "--free-variants" => {
+                    let free = value.split(',').map(|v| Ok(Variant { free_only: true, ..Variant::parse(v)? }));
+                    s.variants.extend(free.collect::<anyhow::Result<Vec<_>>>()?);
+                }
                 "--prefixes" => {
                     let (a, b) =
                         value.split_once("..").ok_or_else(|| anyhow::anyhow!("--prefixes {value}: not A..B"))?;
@@ -168,39 +211,87 @@ impl Args {
     }
 }
 
-/// A policy and whether it rectifies.
-#[derive(Clone, Copy)]
-struct Variant {
-    name: &'static str,
-    kind: AttentionKind,
-    rectify: bool,
+/// A sparse policy with its setting.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+enum Policy {
+    Dense,
+    /// Certified attention at this ε (δ = 0.001, value measure, seed 0).
+    Certified {
+        eps: f64,
+    },
+    Resa,
 }
 
-const VARIANTS: [Variant; 5] = [
-    Variant { name: "dense", kind: AttentionKind::Dense, rectify: false },
-    Variant { name: "certified", kind: AttentionKind::Certified, rectify: false },
-    Variant { name: "certified+rectify", kind: AttentionKind::Certified, rectify: true },
-    Variant { name: "resa", kind: AttentionKind::Resa, rectify: false },
-    Variant { name: "resa+rectify", kind: AttentionKind::Resa, rectify: true },
-];
+/// The ε of certified attention's default setting, the one named plainly.
+const DEFAULT_EPS: f64 = 0.1;
 
-/// The (without, with) rectification pairs of `VARIANTS`.
-const PAIRS: [(usize, usize); 2] = [(1, 2), (3, 4)];
+/// A policy and whether it rectifies.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+struct Variant {
+    policy: Policy,
+    rectify: bool,
+    /// Only its free-running result is wanted: on a teacher-forced prefix it
+    /// too stops at its first difference from dense, or after `--free-gen`.
+    #[serde(default)]
+    free_only: bool,
+}
 
 impl Variant {
-    fn policy(&self) -> Box<dyn AttentionPolicy> {
-        match self.kind {
-            AttentionKind::Certified => {
-                let params = Params { eps: 0.1, delta: 0.001, measure: Measure::Value, grid: Grid::default() };
+    /// Certified and resa, each without and with rectification.
+    fn defaults() -> Vec<Variant> {
+        let certified = Policy::Certified { eps: DEFAULT_EPS };
+        [(certified, false), (certified, true), (Policy::Resa, false), (Policy::Resa, true)]
+            .map(|(policy, rectify)| Variant { policy, rectify, free_only: false })
+            .to_vec()
+    }
+
+    /// `certified[:EPS][+rectify]` or `resa[+rectify]`.
+    fn parse(spec: &str) -> anyhow::Result<Variant> {
+        let (base, rectify) = match spec.strip_suffix("+rectify") {
+            Some(base) => (base, true),
+            None => (spec, false),
+        };
+        let policy = match base.split_once(':') {
+            None if base == "certified" => Policy::Certified { eps: DEFAULT_EPS },
+            None if base == "resa" => Policy::Resa,
+            Some(("certified", eps)) => {
+                let eps: f64 = eps.parse().map_err(|e| anyhow::anyhow!("--variants {spec}: ε {eps}: {e}"))?;
+                anyhow::ensure!(eps > 0.0 && eps < 1.0, "--variants {spec}: ε must lie in (0, 1)");
+                Policy::Certified { eps }
+            }
+            _ => anyhow::bail!("--variants {spec}: not certified[:EPS][+rectify] or resa[+rectify]"),
+        };
+        Ok(Variant { policy, rectify, free_only: false })
+    }
+
+    /// Its row's name: `certified`, `certified ε=0.4+rectify`, `resa+rectify`, ...
+    fn name(&self) -> String {
+        let base = match self.policy {
+            Policy::Dense => "dense".to_string(),
+            Policy::Certified { eps } if eps == DEFAULT_EPS => "certified".to_string(),
+            Policy::Certified { eps } => format!("certified ε={eps}"),
+            Policy::Resa => "resa".to_string(),
+        };
+        if self.rectify {
+            base + "+rectify"
+        } else {
+            base
+        }
+    }
+
+    fn attention(&self) -> Box<dyn AttentionPolicy> {
+        match self.policy {
+            Policy::Certified { eps } => {
+                let params = Params { eps, delta: 0.001, measure: Measure::Value, grid: Grid::default() };
                 Box::new(CertifiedPolicy::new(params, PerturbationSeed { seed: 0, fixed: false }))
             }
-            AttentionKind::Resa => Box::new(Resa::new(resa::Params::default())),
-            _ => Box::new(Dense),
+            Policy::Resa => Box::new(Resa::new(resa::Params::default())),
+            Policy::Dense => Box::new(Dense),
         }
     }
 
     fn fork<'m>(&self, base: &Session<'m>, every: usize) -> anyhow::Result<Session<'m>> {
-        Ok(base.fork(self.policy(), Rectify::every(if self.rectify { every } else { 0 }))?)
+        Ok(base.fork(self.attention(), Rectify::every(if self.rectify { every } else { 0 }))?)
     }
 }
 
@@ -237,8 +328,22 @@ struct PrefixRun {
     teacher_steps: usize,
     /// Whether the free-running comparison has reached its end.
     free_done: bool,
-    /// In `VARIANTS`' order.
+    /// Dense first, then the settings' variants, in order.
     variants: Vec<VariantRun>,
+}
+
+impl PrefixRun {
+    /// The same prefix from another file: of a variant in both, the run
+    /// that went further counts; a variant in one only is kept.
+    fn absorb(&mut self, other: PrefixRun) {
+        let further = (other.teacher_steps, other.free_done) > (self.teacher_steps, self.free_done);
+        let nearer = if further { std::mem::replace(self, other) } else { other };
+        for v in nearer.variants {
+            if self.variants.iter().all(|f| f.policy != v.policy) {
+                self.variants.push(v);
+            }
+        }
+    }
 }
 
 /// What one variant did on one prefix.
@@ -272,6 +377,7 @@ fn main() -> anyhow::Result<()> {
     }
     sift::threads::init(args.threads);
     sift::matmul::set_f32_activations(true);
+    sift::matmul::keep_dequantized_weights(true);
     let file = GgufFile::open(&args.model)?;
     let model = Model::load(&file)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
@@ -289,7 +395,7 @@ fn main() -> anyhow::Result<()> {
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     anyhow::ensure!(!books.is_empty(), "{}: no .txt books", args.books.display());
-    let s = args.settings;
+    let s = args.settings.clone();
     let range = args.prefixes.clone().unwrap_or(0..s.runs());
     let stem = match &args.prefixes {
         Some(r) => format!("rectify-{}-part-{}-{}", s.prefix, r.start, r.end),
@@ -298,7 +404,7 @@ fn main() -> anyhow::Result<()> {
     let out = Output { dir: &args.out, stem, plot: args.prefixes.is_none() };
     let n_ctx = s.prefix + s.gen.max(s.free_gen) + 1;
     let storage = Storage { key_sketch: true, ..Storage::default() };
-    let mut results = Results { settings: s, runs: Vec::new() };
+    let mut results = Results { settings: s.clone(), runs: Vec::new() };
     let mut head = Head::of(&model);
     let started = Instant::now();
     let stamp = || format!("[{:7.1} s]", started.elapsed().as_secs_f64());
@@ -363,12 +469,13 @@ fn lockstep(
     let last = results.runs.len() - 1;
     let teacher = results.runs[last].index < settings.teacher;
     let steps = if teacher { settings.gen } else { settings.free_gen - 1 };
+    let variants = settings.all_variants();
     let mut sessions =
-        VARIANTS.iter().map(|v| v.fork(base, settings.rectify_every)).collect::<anyhow::Result<Vec<_>>>()?;
+        variants.iter().map(|v| v.fork(base, settings.rectify_every)).collect::<anyhow::Result<Vec<_>>>()?;
     let mut times = vec![Duration::ZERO; sessions.len()];
     let mut counts = vec![0; sessions.len()];
     let mut runs: Vec<VariantRun> =
-        VARIANTS.iter().map(|v| VariantRun { policy: v.name.into(), ..VariantRun::default() }).collect();
+        variants.iter().map(|v| VariantRun { policy: v.name(), ..VariantRun::default() }).collect();
     let mut token = first;
     let record = |runs: &[VariantRun], sessions: &[Session], times: &[Duration], counts: &[usize]| {
         let mut runs = runs.to_vec();
@@ -393,7 +500,8 @@ fn lockstep(
         hidden.clear();
         active.clear();
         for (j, session) in sessions.iter_mut().enumerate() {
-            if !teacher && differs(&runs[j]) {
+            let forced = teacher && !variants[j].free_only;
+            if !forced && (differs(&runs[j]) || !free_step) {
                 continue;
             }
             let started = Instant::now();
@@ -418,7 +526,7 @@ fn lockstep(
             if !agree && free_step && run.first_difference.is_none() {
                 run.first_difference = Some(step + 1);
             }
-            if teacher {
+            if teacher && !variants[j].free_only {
                 run.kl.push(kl(&dense, &log_softmax(logits)));
                 run.agree.push(agree);
             }
@@ -497,7 +605,7 @@ impl Output<'_> {
             "runs": results.runs,
         });
         write_whole(&stem.with_extension("json"), serde_json::to_string_pretty(&json)?.as_bytes())?;
-        if self.plot && report.teacher[1].positions() > 0 {
+        if self.plot && report.teacher.iter().skip(1).any(|t| t.positions() > 0) {
             report.plot(&stem.with_extension("png"))?;
         }
         Ok(table)
@@ -534,19 +642,25 @@ fn merge(args: &Args) -> anyhow::Result<()> {
         let text = std::fs::read_to_string(file)?;
         let read: Results = serde_json::from_str(&text)
             .map_err(|e| anyhow::anyhow!("{}: not a rectify result: {e}", file.display()))?;
-        let merged = by_prefix.entry(read.settings.prefix).or_insert(Results { settings: read.settings, runs: vec![] });
+        let merged =
+            by_prefix.entry(read.settings.prefix).or_insert(Results { settings: read.settings.clone(), runs: vec![] });
+        let (m, r) = (&mut merged.settings, &read.settings);
         anyhow::ensure!(
-            merged.settings == read.settings,
-            "{}: settings {:?} differ from an earlier file's {:?}",
+            m.same_prefixes(r),
+            "{}: settings {r:?} are not of the same prefixes as an earlier file's {m:?}",
             file.display(),
-            read.settings,
-            merged.settings
         );
+        (m.teacher, m.free) = (m.teacher.max(r.teacher), m.free.max(r.free));
+        // One variant per name: teacher-forced where any file forced it.
+        for v in &r.variants {
+            match m.variants.iter_mut().find(|w| w.name() == v.name()) {
+                Some(w) => w.free_only &= v.free_only,
+                None => m.variants.push(*v),
+            }
+        }
         for run in read.runs {
             match merged.runs.iter_mut().find(|r| r.index == run.index) {
-                // The same prefix twice (a run and its shard): the further one counts.
-                Some(r) if (run.teacher_steps, run.free_done) > (r.teacher_steps, r.free_done) => *r = run,
-                Some(_) => {}
+                Some(r) => r.absorb(run),
                 None => merged.runs.push(run),
             }
         }
@@ -645,47 +759,120 @@ impl Tally {
     }
 }
 
-/// One teacher-forced prefix's mean KL over the first and the second half
-/// of its steps, without and with rectification.
-struct Halves {
+/// One teacher-forced prefix's mean KL without and with rectification over
+/// each span of [`Report::spans`] (none for a span it did not reach).
+struct Paired {
     index: usize,
-    without: [f64; 2],
-    with: [f64; 2],
+    without: Vec<Option<f64>>,
+    with: Vec<Option<f64>>,
+}
+
+/// The paired tests' result on one span.
+struct SpanTest {
+    span: Range<usize>,
+    /// Prefixes that decoded the whole span with and without rectification.
+    prefixes: usize,
+    /// Of those, on how many rectification lowered the mean KL.
+    lower: usize,
+    mean_without: f64,
+    mean_with: f64,
+    sign_p: f64,
+    wilcoxon_p: f64,
 }
 
 /// The tables of a set of prefix runs.
 struct Report<'a> {
     results: &'a Results,
+    /// Dense first; the tallies are in this order.
+    variants: Vec<Variant>,
     teacher: Vec<Tally>,
     free: Vec<Tally>,
 }
 
+/// The one-sided level at which the paired tests decide.
+const ALPHA: f64 = 0.05;
+
 impl<'a> Report<'a> {
     fn of(results: &'a Results) -> Self {
-        let mut teacher = vec![Tally::default(); VARIANTS.len()];
-        let mut free = vec![Tally::default(); VARIANTS.len()];
+        let variants = results.settings.all_variants();
+        let mut teacher = vec![Tally::default(); variants.len()];
+        let mut free = vec![Tally::default(); variants.len()];
         for run in &results.runs {
-            let steps = if run.teacher_steps > 0 { &mut teacher } else { &mut free };
-            for (t, v) in steps.iter_mut().zip(&run.variants) {
-                t.add_steps(v);
-            }
-            for (t, v) in free.iter_mut().zip(&run.variants).filter(|_| run.free_done) {
-                t.add_free(v.first_difference);
+            for v in &run.variants {
+                let Some(i) = variants.iter().position(|w| w.name() == v.policy) else { continue };
+                match run.teacher_steps > 0 {
+                    true => teacher[i].add_steps(v),
+                    false => free[i].add_steps(v),
+                }
+                if run.free_done {
+                    free[i].add_free(v.first_difference);
+                }
             }
         }
-        Self { results, teacher, free }
+        Self { results, variants, teacher, free }
     }
 
-    /// Per complete teacher-forced prefix and pair of `PAIRS`, the halves' mean KL.
-    fn halves(&self, (without, with): (usize, usize)) -> Vec<Halves> {
+    /// The (without, with) rectification pairs among the variants.
+    fn pairs(&self) -> Vec<(usize, usize)> {
+        let v = &self.variants;
+        (0..v.len())
+            .filter(|&i| !v[i].rectify && !v[i].free_only && v[i].policy != Policy::Dense)
+            .filter_map(|i| v.iter().position(|w| w.rectify && !w.free_only && w.policy == v[i].policy).map(|j| (i, j)))
+            .collect()
+    }
+
+    /// The spans rectification is judged on: the two halves of the
+    /// teacher-forced steps, then each bin of the second half.
+    fn spans(&self) -> Vec<Range<usize>> {
         let gen = self.results.settings.gen;
-        let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len().max(1) as f64;
-        let split = |v: &VariantRun| [mean(&v.kl[..gen / 2]), mean(&v.kl[gen / 2..])];
+        let half = gen / 2;
+        let late = (half..gen).step_by(BIN).map(|a| a..(a + BIN).min(gen));
+        [0..half, half..gen].into_iter().chain(late.filter(|_| gen > BIN)).collect()
+    }
+
+    /// Per teacher-forced prefix of a pair, the spans' mean KL.
+    fn paired(&self, (without, with): (usize, usize)) -> Vec<Paired> {
+        let spans = self.spans();
+        let find = |run: &'a PrefixRun, i: usize| {
+            let name = self.variants[i].name();
+            run.variants.iter().find(|v| v.policy == name && !v.kl.is_empty())
+        };
+        let means = |v: &VariantRun| -> Vec<Option<f64>> {
+            let mean = |r: &Range<usize>| v.kl.get(r.clone()).map(|kl| kl.iter().sum::<f64>() / r.len() as f64);
+            spans.iter().map(mean).collect()
+        };
         self.results
             .runs
             .iter()
-            .filter(|r| r.teacher_steps == gen && gen >= 2)
-            .map(|r| Halves { index: r.index, without: split(&r.variants[without]), with: split(&r.variants[with]) })
+            .filter_map(|r| {
+                let (a, b) = (find(r, without)?, find(r, with)?);
+                Some(Paired { index: r.index, without: means(a), with: means(b) })
+            })
+            .collect()
+    }
+
+    /// A pair's tests on every span but the first half, each over the
+    /// prefixes that decoded the whole span.
+    fn tests(&self, pair: (usize, usize)) -> Vec<SpanTest> {
+        let paired = self.paired(pair);
+        let spans = self.spans();
+        (1..spans.len())
+            .map(|k| {
+                let both: Vec<(f64, f64)> = paired.iter().filter_map(|p| Some((p.without[k]?, p.with[k]?))).collect();
+                let differences: Vec<f64> = both.iter().map(|(a, b)| a - b).collect();
+                let lower = differences.iter().filter(|&&d| d > 0.0).count();
+                let n = both.len().max(1) as f64;
+                SpanTest {
+                    span: spans[k].clone(),
+                    prefixes: both.len(),
+                    lower,
+                    mean_without: both.iter().map(|p| p.0).sum::<f64>() / n,
+                    mean_with: both.iter().map(|p| p.1).sum::<f64>() / n,
+                    sign_p: sign_test(lower, differences.iter().filter(|&&d| d != 0.0).count()),
+                    wilcoxon_p: wilcoxon_signed_rank(&differences),
+                }
+            })
+            .filter(|t| t.prefixes > 0)
             .collect()
     }
 
@@ -693,55 +880,78 @@ impl<'a> Report<'a> {
         use std::fmt::Write;
         let s_ = &self.results.settings;
         let mut s = String::new();
-        let sparse = || VARIANTS.iter().zip(&self.teacher).skip(1);
-        if self.teacher[1].positions() > 0 {
+        let sparse: Vec<usize> = (1..self.variants.len()).filter(|&i| self.teacher[i].positions() > 0).collect();
+        if let Some(&first) = sparse.first() {
             let _ = writeln!(
                 s,
                 "Teacher-forced, prefixes of {} tokens, {} tokens decoded: mean KL(dense ‖ policy) / top-1 agreement per bin of {BIN} positions\n",
                 s_.prefix, s_.gen
             );
-            let names = sparse().map(|(v, _)| v.name).collect::<Vec<_>>().join(" | ");
+            let names = sparse.iter().map(|&i| self.variants[i].name()).collect::<Vec<_>>().join(" | ");
             let _ = writeln!(s, "| positions | prefixes | {names} |");
-            let _ = writeln!(s, "| --- | ---: |{}", " ---: |".repeat(VARIANTS.len() - 1));
-            for bin in 0..self.teacher[1].kl.len() {
-                let cells: Vec<String> =
-                    sparse().map(|(_, t)| format!("{:.5} / {:.1}%", t.mean_kl(bin), 100.0 * t.top1(bin))).collect();
+            let _ = writeln!(s, "| --- | ---: |{}", " ---: |".repeat(sparse.len()));
+            for bin in 0..self.teacher[first].kl.len() {
+                let cells: Vec<String> = sparse
+                    .iter()
+                    .map(|&i| {
+                        let t = &self.teacher[i];
+                        match bin < t.kl.len() {
+                            true => format!("{:.5} / {:.1}%", t.mean_kl(bin), 100.0 * t.top1(bin)),
+                            false => "—".into(),
+                        }
+                    })
+                    .collect();
                 let last = ((bin + 1) * BIN).min(s_.gen) - 1;
-                let _ =
-                    writeln!(s, "| {}–{last} | {} | {} |", bin * BIN, self.teacher[1].prefixes[bin], cells.join(" | "));
+                let prefixes = self.teacher[first].prefixes[bin];
+                let _ = writeln!(s, "| {}–{last} | {prefixes} | {} |", bin * BIN, cells.join(" | "));
             }
-            let all: Vec<String> = sparse()
-                .map(|(_, t)| format!("**{:.5} / {:.1}%**", t.overall_kl(), 100.0 * t.overall_top1()))
+            let all: Vec<String> = sparse
+                .iter()
+                .map(|&i| {
+                    format!("**{:.5} / {:.1}%**", self.teacher[i].overall_kl(), 100.0 * self.teacher[i].overall_top1())
+                })
                 .collect();
             let _ = writeln!(s, "| all | | {} |\n", all.join(" | "));
-            self.write_halves(&mut s);
+            self.write_paired(&mut s);
         }
-        let runs = self.free[0].free_runs();
-        if runs > 0 {
+        let free: Vec<usize> = (0..self.variants.len()).filter(|&i| self.free[i].free_runs() > 0).collect();
+        if !free.is_empty() {
             let _ = writeln!(
                 s,
-                "Free-running, {runs} prefixes of {} tokens, {} greedy tokens each\n",
+                "Free-running, prefixes of {} tokens, {} greedy tokens each (95% interval: Clopper–Pearson)\n",
                 s_.prefix, s_.free_gen
             );
-            let _ = writeln!(s, "| policy | identical to dense | mean first difference (of those that differ) |");
-            let _ = writeln!(s, "| --- | ---: | ---: |");
-            for (v, t) in VARIANTS.iter().zip(&self.free) {
-                let diff = t.first_differences.len();
+            let _ = writeln!(
+                s,
+                "| policy | identical to dense | 95% interval | mean first difference (of those that differ) |"
+            );
+            let _ = writeln!(s, "| --- | ---: | ---: | ---: |");
+            for &i in &free {
+                let t = &self.free[i];
+                let (runs, diff) = (t.free_runs(), t.first_differences.len());
                 let mean = t.mean_first_difference().map_or("—".into(), |m| format!("{m:.1} ({diff})"));
                 let share = 100.0 * t.identical as f64 / runs as f64;
-                let _ = writeln!(s, "| {} | {}/{runs} ({share:.0}%) | {mean} |", v.name, t.identical);
+                let (lo, hi) = clopper_pearson(t.identical, runs);
+                let _ = writeln!(
+                    s,
+                    "| {} | {}/{runs} ({share:.0}%) | {:.0}–{:.0}% | {mean} |",
+                    self.variants[i].name(),
+                    t.identical,
+                    100.0 * lo,
+                    100.0 * hi
+                );
             }
             s.push('\n');
         }
         let _ = writeln!(s, "Decoding, all runs above together (loaded runs; compare within the column)\n");
         let _ = writeln!(s, "| policy | decode tok/s | rectifications | tokens rewritten | share of decode time |");
         let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: |");
-        for (v, (t, f)) in VARIANTS.iter().zip(self.teacher.iter().zip(&self.free)) {
+        for (v, (t, f)) in self.variants.iter().zip(self.teacher.iter().zip(&self.free)) {
             let time = t.decode_s + f.decode_s;
             let _ = writeln!(
                 s,
                 "| {} | {:.1} | {} | {} | {:.1}% |",
-                v.name,
+                v.name(),
                 (t.steps + f.steps) as f64 / time.max(1e-9),
                 t.rectifications + f.rectifications,
                 t.tokens_rewritten + f.tokens_rewritten,
@@ -751,61 +961,90 @@ impl<'a> Report<'a> {
         s
     }
 
-    /// The per-prefix halves of every pair, and the sign test over prefixes.
-    fn write_halves(&self, s: &mut String) {
+    /// The per-prefix halves of every pair, and the paired tests over
+    /// prefixes (which are independent spans of text; positions within one
+    /// prefix are not) of "rectification lowers the mean KL" on each span.
+    fn write_paired(&self, s: &mut String) {
         use std::fmt::Write;
         let gen = self.results.settings.gen;
-        let complete = self.halves(PAIRS[0]).len();
-        if complete == 0 {
+        let spans = self.spans();
+        let name = |r: &Range<usize>| format!("{}–{}", r.start, r.end - 1);
+        let pairs = self.pairs();
+        let whole = |p: &Paired| p.without[1].is_some() && p.with[1].is_some();
+        let complete: Vec<(usize, Vec<Paired>)> = pairs
+            .iter()
+            .map(|&(without, with)| (without, self.paired((without, with)).into_iter().filter(whole).collect()))
+            .collect();
+        if complete.iter().any(|(_, p)| !p.is_empty()) {
+            let _ = writeln!(
+                s,
+                "Per prefix that decoded all {gen} tokens: mean KL over tokens {} and {}, without → with rectification\n",
+                name(&spans[0]),
+                name(&spans[1])
+            );
+            let _ = writeln!(s, "| policy | prefix | first half | second half | second half, with / without |");
+            let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: |");
+            for (without, paired) in &complete {
+                for p in paired {
+                    let (a, b) = (p.without[1].unwrap_or(0.0), p.with[1].unwrap_or(0.0));
+                    let _ = writeln!(
+                        s,
+                        "| {} | {} | {:.6} → {:.6} | {a:.6} → {b:.6} | {:.3} |",
+                        self.variants[*without].name(),
+                        p.index,
+                        p.without[0].unwrap_or(0.0),
+                        p.with[0].unwrap_or(0.0),
+                        b / a.max(1e-300)
+                    );
+                }
+            }
+            s.push('\n');
+        }
+        let tests: Vec<_> =
+            pairs.iter().map(|&pair| (pair.0, self.tests(pair))).filter(|(_, t)| !t.is_empty()).collect();
+        if tests.is_empty() {
             return;
         }
         let _ = writeln!(
             s,
-            "Per prefix (the {complete} that decoded all {gen} tokens): mean KL over tokens 0–{} and {}–{}, without → with rectification\n",
-            gen / 2 - 1,
-            gen / 2,
-            gen - 1
+            "Does rectification lower the mean KL? Paired over the prefixes that decoded the whole span, one-sided \
+             (H₁: lower with rectification), sign test and Wilcoxon signed-rank (exact), decided at α = {ALPHA} by \
+             Wilcoxon (with n prefixes no p is below 2⁻ⁿ: 5 are needed to decide at all)\n"
         );
-        let _ = writeln!(s, "| policy | prefix | first half | second half | second half, with / without |");
-        let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: |");
-        for pair in PAIRS {
-            let halves = self.halves(pair);
-            for h in &halves {
+        let _ = writeln!(
+            s,
+            "| policy | tokens | lower with rectification | mean KL without → with | sign test p | Wilcoxon p | at α = {ALPHA} |"
+        );
+        let _ = writeln!(s, "| --- | --- | ---: | ---: | ---: | ---: | --- |");
+        for (without, tests) in &tests {
+            for t in tests {
+                let half = if t.span == spans[1] { " (second half)" } else { "" };
+                let verdict = if t.wilcoxon_p < ALPHA { "**lower**" } else { "not shown" };
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {:.5} → {:.5} | {:.5} → {:.5} | {:.3} |",
-                    VARIANTS[pair.0].name,
-                    h.index,
-                    h.without[0],
-                    h.with[0],
-                    h.without[1],
-                    h.with[1],
-                    h.with[1] / h.without[1].max(1e-300)
+                    "| {} | {}{half} | {} of {} | {:.6} → {:.6} | {:.3} | {:.3} | {verdict} |",
+                    self.variants[*without].name(),
+                    name(&t.span),
+                    t.lower,
+                    t.prefixes,
+                    t.mean_without,
+                    t.mean_with,
+                    t.sign_p,
+                    t.wilcoxon_p,
                 );
             }
-        }
-        s.push('\n');
-        for pair in PAIRS {
-            let halves = self.halves(pair);
-            let lower = halves.iter().filter(|h| h.with[1] < h.without[1]).count();
-            let _ = writeln!(
-                s,
-                "{}: rectification lowers the second half's KL on {lower} of {} prefixes (one-sided sign test p = {:.3})",
-                VARIANTS[pair.0].name,
-                halves.len(),
-                sign_test(lower, halves.len())
-            );
         }
         s.push('\n');
     }
 
     fn json(&self) -> serde_json::Value {
-        let variants: Vec<_> = VARIANTS
+        let variants: Vec<_> = self
+            .variants
             .iter()
             .zip(self.teacher.iter().zip(&self.free))
             .map(|(v, (t, f))| {
                 serde_json::json!({
-                    "policy": v.name,
+                    "policy": v.name(),
                     "bins": (0..t.kl.len()).map(|b| serde_json::json!({
                         "first": b * BIN, "mean_kl": t.mean_kl(b), "top1": t.top1(b),
                         "positions": t.count[b], "prefixes": t.prefixes[b],
@@ -814,6 +1053,7 @@ impl<'a> Report<'a> {
                     "top1": t.overall_top1(),
                     "free_prefixes": f.free_runs(),
                     "free_identical": f.identical,
+                    "free_identical_95": clopper_pearson(f.identical, f.free_runs()),
                     "free_first_differences": f.first_differences,
                     "decode_s": t.decode_s + f.decode_s,
                     "decode_steps": t.steps + f.steps,
@@ -822,7 +1062,29 @@ impl<'a> Report<'a> {
                 })
             })
             .collect();
-        serde_json::json!({ "variants": variants })
+        let tests: Vec<_> = self
+            .pairs()
+            .into_iter()
+            .map(|pair| {
+                let per_span: Vec<_> = self
+                    .tests(pair)
+                    .iter()
+                    .map(|t| {
+                        serde_json::json!({
+                            "tokens": [t.span.start, t.span.end],
+                            "prefixes": t.prefixes,
+                            "lower": t.lower,
+                            "mean_kl_without": t.mean_without,
+                            "mean_kl_with": t.mean_with,
+                            "sign_p": t.sign_p,
+                            "wilcoxon_p": t.wilcoxon_p,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({ "policy": self.variants[pair.0].name(), "spans": per_span })
+            })
+            .collect();
+        serde_json::json!({ "variants": variants, "rectification_tests": tests })
     }
 
     /// Per-bin mean KL of the sparse variants, log scale.
@@ -832,9 +1094,10 @@ impl<'a> Report<'a> {
         let bytes: &'static [u8] = Box::leak(std::fs::read(&font)?.into_boxed_slice());
         plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
             .map_err(|_| anyhow::anyhow!("{font}: not a font plotters can read"))?;
-        let sparse: Vec<_> = VARIANTS.iter().zip(&self.teacher).skip(1).collect();
+        let sparse: Vec<_> =
+            self.variants.iter().zip(&self.teacher).skip(1).filter(|(_, t)| t.positions() > 0).collect();
         let points = |t: &Tally| -> Vec<(f64, f64)> {
-            (0..t.kl.len()).map(|b| ((b * BIN + BIN / 2) as f64, t.mean_kl(b).max(1e-7))).collect()
+            (0..t.kl.len()).map(|b| ((b * BIN + BIN / 2) as f64, t.mean_kl(b).max(1e-9))).collect()
         };
         let all: Vec<f64> = sparse.iter().flat_map(|(_, t)| points(t)).map(|p| p.1).collect();
         let (lo, hi) = all.iter().fold((f64::INFINITY, 0.0f64), |(lo, hi), &y| (lo.min(y), hi.max(y)));
@@ -857,12 +1120,21 @@ impl<'a> Report<'a> {
             .y_desc("mean KL(dense || policy)")
             .y_label_formatter(&|y| format!("{y:.0e}"))
             .draw()?;
-        let colors = [RED.mix(0.4), RED.mix(1.0), BLUE.mix(0.4), BLUE.mix(1.0)];
-        for ((v, t), color) in sparse.iter().zip(colors) {
+        // One colour per policy setting: pale without rectification, full and thick with it.
+        let palette = [RED, BLUE, GREEN, MAGENTA, CYAN, BLACK];
+        let policies: Vec<Policy> = self.variants.iter().skip(1).map(|v| v.policy).fold(Vec::new(), |mut p, q| {
+            if !p.contains(&q) {
+                p.push(q);
+            }
+            p
+        });
+        for (v, t) in sparse {
+            let hue = palette[policies.iter().position(|&p| p == v.policy).unwrap_or(0) % palette.len()];
+            let color = hue.mix(if v.rectify { 1.0 } else { 0.4 });
             let style = ShapeStyle { color, filled: true, stroke_width: if v.rectify { 3 } else { 1 } };
             chart
                 .draw_series(LineSeries::new(points(t), style))?
-                .label(v.name)
+                .label(v.name())
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], style));
             chart.draw_series(points(t).into_iter().map(|p| Circle::new(p, 3, style)))?;
         }
@@ -874,8 +1146,66 @@ impl<'a> Report<'a> {
 
 /// `P(X ≥ k)` for `X` binomial with `n` trials of probability ½: the chance
 /// that `k` or more of `n` prefixes favour rectification if it made no
-/// difference.
+/// difference (prefixes where it made none at all are left out of `n`).
 fn sign_test(k: usize, n: usize) -> f64 {
+    binomial_tail(k, n, 0.5)
+}
+
+/// `P(X ≥ k)` for `X` binomial with `n` trials of probability `p`.
+fn binomial_tail(k: usize, n: usize, p: f64) -> f64 {
     let choose = |n: usize, i: usize| (0..i).fold(1.0f64, |c, j| c * (n - j) as f64 / (j + 1) as f64);
-    (k..=n).map(|i| choose(n, i)).sum::<f64>() / 2f64.powi(n as i32)
+    (k..=n).map(|i| choose(n, i) * p.powi(i as i32) * (1.0 - p).powi((n - i) as i32)).sum::<f64>().min(1.0)
+}
+
+/// The exact one-sided p-value of Wilcoxon's signed-rank test that the
+/// differences lean positive: the chance, if each difference's sign were
+/// a fair coin, that the sum of the positive ones' ranks (by absolute
+/// value, ties given their mean rank) reaches the one observed. Zero
+/// differences are left out; none left gives 1.
+fn wilcoxon_signed_rank(differences: &[f64]) -> f64 {
+    let mut d: Vec<f64> = differences.iter().copied().filter(|&d| d != 0.0).collect();
+    d.sort_by(|a, b| a.abs().total_cmp(&b.abs()));
+    // Ranks doubled, so that mean ranks of ties stay whole numbers.
+    let mut ranks = vec![0usize; d.len()];
+    let mut i = 0;
+    while i < d.len() {
+        let j = (i..d.len()).find(|&j| d[j].abs() != d[i].abs()).unwrap_or(d.len());
+        ranks[i..j].fill(i + 1 + j);
+        i = j;
+    }
+    let observed: usize = ranks.iter().zip(&d).filter(|(_, &d)| d > 0.0).map(|(r, _)| r).sum();
+    // ways[w]: the sign patterns whose positive ranks sum to w.
+    let mut ways = vec![0f64; ranks.iter().sum::<usize>() + 1];
+    ways[0] = 1.0;
+    for &r in &ranks {
+        for w in (r..ways.len()).rev() {
+            ways[w] += ways[w - r];
+        }
+    }
+    ways[observed..].iter().sum::<f64>() / 2f64.powi(d.len() as i32)
+}
+
+/// The Clopper–Pearson 95% interval of a binomial rate, `k` of `n`: the
+/// rates at which `k` or more (for the lower end), `k` or fewer (the upper)
+/// would happen with probability 2.5%.
+fn clopper_pearson(k: usize, n: usize) -> (f64, f64) {
+    if n == 0 {
+        return (0.0, 1.0);
+    }
+    // Bisection for where an increasing function of p reaches `target`.
+    let solve = |f: &dyn Fn(f64) -> f64, target: f64| {
+        let (mut lo, mut hi) = (0.0f64, 1.0f64);
+        for _ in 0..60 {
+            let mid = 0.5 * (lo + hi);
+            if f(mid) < target {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        0.5 * (lo + hi)
+    };
+    let lower = if k == 0 { 0.0 } else { solve(&|p| binomial_tail(k, n, p), 0.025) };
+    let upper = if k == n { 1.0 } else { solve(&|p| binomial_tail(k + 1, n, p), 0.975) };
+    (lower, upper)
 }

@@ -11,9 +11,14 @@
 //! [`set_f32_activations`] switches every product to f32 activations against
 //! weights dequantized to f32: much slower, but free of the 8-bit activation
 //! rounding, whose re-drawing by any perturbation upstream is the noise floor
-//! of KL comparisons between cache modes.
+//! of KL comparisons between cache modes. [`keep_dequantized_weights`]
+//! makes products under that setting keep each matrix's f32
+//! weights from its first product on (four bytes a weight, for the process's
+//! life), so that a long decoding experiment reads them instead of
+//! dequantizing every row again at every step; the dots are the same.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 
 use rayon::prelude::*;
 use simd::{kernels, WeightType};
@@ -25,6 +30,29 @@ static F32_ACTIVATIONS: AtomicBool = AtomicBool::new(false);
 /// process, as a measurement setting.
 pub fn set_f32_activations(on: bool) {
     F32_ACTIVATIONS.store(on, Ordering::Relaxed);
+}
+
+static KEEP_DEQUANTIZED: AtomicBool = AtomicBool::new(false);
+
+/// A matrix's weights kept in f32, by the address and length of the
+/// quantized data they came from.
+struct Kept {
+    data: (usize, usize),
+    weights: &'static [f32],
+}
+
+/// The f32 weights kept under [`keep_dequantized_weights`].
+static DEQUANTIZED: Mutex<Vec<Kept>> = Mutex::new(Vec::new());
+
+/// Whether products with f32 activations keep every matrix's
+/// dequantized weights after its first product (for the whole process; the
+/// memory is never given back), instead of dequantizing each row at each
+/// product. Results are the same either way. Kept weights are found by
+/// where the quantized data lies, so this is for weights that stay where
+/// they are while it is on (a loaded model's), not for matrices freed and
+/// reallocated in between.
+pub fn keep_dequantized_weights(on: bool) {
+    KEEP_DEQUANTIZED.store(on, Ordering::Relaxed);
 }
 
 /// A weight matrix in GGUF order: `rows` output rows of `cols` inputs each,
@@ -68,6 +96,12 @@ impl<'a> Matrix<'a> {
         if self.ty != WeightType::F32 && F32_ACTIVATIONS.load(Ordering::Relaxed) {
             if x.len() == self.cols {
                 return self.dequantized_matvec(x, out);
+            }
+            if KEEP_DEQUANTIZED.load(Ordering::Relaxed) {
+                let bytes = bytemuck::cast_slice(self.kept_dequantized());
+                return Matrix::new(WeightType::F32, self.rows, self.cols, bytes)
+                    .expect("f32 rows")
+                    .matmul(x, out, scratch);
             }
             let mut weights = std::mem::take(&mut scratch.dequantized);
             weights.resize(self.rows * self.cols, 0.0);
@@ -133,6 +167,14 @@ impl<'a> Matrix<'a> {
         let k = kernels();
         let (acts, row_bytes) = (bytemuck::cast_slice(x), self.cols * std::mem::size_of::<f32>());
         let block = self.row_block(1);
+        if KEEP_DEQUANTIZED.load(Ordering::Relaxed) {
+            let weights = self.kept_dequantized();
+            out.par_chunks_mut(block).enumerate().for_each(|(b, out)| {
+                let rows = &weights[b * block * self.cols..][..out.len() * self.cols];
+                k.dot_rows(WeightType::F32, bytemuck::cast_slice(rows), row_bytes, acts, self.cols, out);
+            });
+            return;
+        }
         out.par_chunks_mut(block).enumerate().for_each(|(b, out)| {
             let mut row = vec![0.0f32; self.cols];
             for (i, out) in out.iter_mut().enumerate() {
@@ -147,6 +189,20 @@ impl<'a> Matrix<'a> {
                 );
             }
         });
+    }
+
+    /// This matrix's weights in f32, dequantized on the first call and kept.
+    fn kept_dequantized(&self) -> &'static [f32] {
+        let key = (self.data.as_ptr() as usize, self.data.len());
+        let mut kept = DEQUANTIZED.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(k) = kept.iter().find(|k| k.data == key) {
+            return k.weights;
+        }
+        let mut weights = vec![0.0f32; self.rows * self.cols];
+        weights.par_chunks_mut(self.cols).enumerate().for_each(|(r, out)| self.dequantize_row(r, out));
+        let weights: &'static [f32] = Box::leak(weights.into_boxed_slice());
+        kept.push(Kept { data: key, weights });
+        weights
     }
 
     /// Rows per task. Decoding: enough tasks to balance the pool. Tiles (several

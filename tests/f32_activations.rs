@@ -1,13 +1,19 @@
 //! `perplexity --f32-activations`: products without the 8-bit activation
-//! rounding. A test binary of its own, since the switch is process-wide.
+//! rounding. A test binary of its own, since the switches are process-wide
+//! (and its tests take turns with them).
 
 mod common;
 
 use half::f16;
-use sift::matmul::{set_f32_activations, MatmulScratch, Matrix};
+use std::sync::Mutex;
+
+use sift::matmul::{keep_dequantized_weights, set_f32_activations, MatmulScratch, Matrix};
 use simd::WeightType;
 
 use common::Rng;
+
+/// Held by each test while it sets the process-wide switches.
+static SWITCHES: Mutex<()> = Mutex::new(());
 
 /// A Q8_0 matrix of random blocks (an f16 scale, then 32 signed bytes).
 fn q8_0_matrix(rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
@@ -40,6 +46,8 @@ fn worst_error(matrix: &Matrix, x: &[f32]) -> f64 {
 
 #[test]
 fn f32_activations_match_f64_where_quantized_ones_do_not() {
+    let _switches = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+    keep_dequantized_weights(false);
     let (rows, cols) = (48, 256);
     let mut rng = Rng(3);
     let data = q8_0_matrix(rows, cols, &mut rng);
@@ -61,4 +69,37 @@ fn f32_activations_match_f64_where_quantized_ones_do_not() {
     matrix.matmul(&[x.clone(), x].concat(), &mut two, &mut MatmulScratch::default());
     assert_eq!(one, two[..rows], "the decoding path is not the batched one");
     assert_eq!(one, two[rows..]);
+}
+
+/// Kept f32 weights change no result: two matrices (so that one's weights
+/// are never served for the other), one row and a batch, before and after
+/// the weights are kept, against products that dequantize as they go.
+#[test]
+fn kept_dequantized_weights_give_the_same_products() {
+    let _switches = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+    set_f32_activations(true);
+    let (rows, cols) = (40, 256);
+    let mut rng = Rng(11);
+    let data: Vec<Vec<u8>> = (0..2).map(|_| q8_0_matrix(rows, cols, &mut rng)).collect();
+    let matrices: Vec<Matrix> = data.iter().map(|d| Matrix::new(WeightType::Q8_0, rows, cols, d).unwrap()).collect();
+    let products = |x: &[f32]| -> Vec<Vec<f32>> {
+        matrices
+            .iter()
+            .map(|m| {
+                let mut out = vec![0.0; x.len() / cols * rows];
+                m.matmul(x, &mut out, &mut MatmulScratch::default());
+                out
+            })
+            .collect()
+    };
+    for tokens in [1, 3] {
+        let x: Vec<f32> = (0..tokens * cols).map(|_| rng.normal() as f32).collect();
+        keep_dequantized_weights(false);
+        let want = products(&x);
+        assert_ne!(want[0], want[1], "the two matrices should differ");
+        keep_dequantized_weights(true);
+        assert_eq!(products(&x), want, "{tokens} tokens, the first product with kept weights");
+        assert_eq!(products(&x), want, "{tokens} tokens, a product from the kept weights");
+    }
+    keep_dequantized_weights(false);
 }

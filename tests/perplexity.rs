@@ -10,7 +10,7 @@ use sift::engine::Session;
 use sift::gguf::GgufFile;
 use sift::kv::{KvMode, Storage};
 use sift::model::Model;
-use sift::perplexity::{evaluate, KlReport, PerplexityReport, Scored, Windows, TOP_K};
+use sift::perplexity::{evaluate, KlReport, PerplexityReport, Scored, Scoring, Windows, TOP_K};
 use sift::tokenizer::Tokenizer;
 
 fn tiny_llama(test: &str) -> Option<PathBuf> {
@@ -62,6 +62,31 @@ fn kl_divergence_between_cache_modes() {
     // The same run twice gives the same numbers.
     let again = run(KvMode::Q8, 0, Some(&base.scored));
     assert_eq!(again.scored, q8.scored);
+}
+
+/// A window cut short after position `P1` scores its last `P1 − P0`
+/// positions as the full window scores them: the same tokens before them,
+/// and a dense prefill of `P0` writes the cache that decoding steps would
+/// have. So `-c P1+1 --stride P1−P0` scores a piece `[P0, P1)` of a longer
+/// chunk's scored half, and the pieces of a split run put together are the
+/// whole run (for dense attention; a sparse policy's earlier outputs no
+/// longer reach a later piece's cache).
+#[test]
+fn a_window_cut_short_scores_as_the_long_one() {
+    let Some(path) = tiny_llama("a_window_cut_short_scores_as_the_long_one") else { return };
+    let file = GgufFile::open(&path).unwrap();
+    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+    let model = Model::load(&file).unwrap();
+    let tokens = tokenizer.encode(&text(), true, false).unwrap();
+    let run = |n_ctx, stride| {
+        let mut session = Session::with_cache(&model, n_ctx, 64, Storage::default());
+        let windows = Windows { max: Some(1), stride, scoring: Scoring::Decoded };
+        evaluate(&mut session, &tokens, tokenizer.bos(), windows, TOP_K, None, |_| {}).unwrap().scored
+    };
+    // The full window scores positions 128..255; the piece 160..192 of it.
+    let (full, piece) = (run(256, None), run(193, Some(32)));
+    assert_eq!(full.len(), 127);
+    assert_eq!(piece, full[32..64]);
 }
 
 fn sift(args: &[&str]) -> std::process::Output {

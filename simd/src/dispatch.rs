@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use half::f16;
 
 use crate::formats::{self, float32};
-use crate::sketch::{Bounds, SketchCodes, SketchQuery};
+use crate::sketch::{Bounds, RefineQuery, RefinedBounds, SketchCodes, SketchQuery};
 use crate::{ActivationType, WeightType};
 
 /// Dot of one weight row with one activation row. The row lengths have been checked
@@ -60,6 +60,9 @@ pub(crate) type SketchPrepareFn = unsafe fn(
 ) -> (crate::sketch::PrepareScales, crate::sketch::PrepareSums);
 /// Indices of the numbers at or above a threshold (see [`Kernels::select_at_least`]).
 pub(crate) type SelectFn = unsafe fn(values: &[f32], threshold: f32, out: &mut [u32]) -> usize;
+/// A page's refined bounds for a query group (see [`Kernels::sketch_refine_page`]).
+pub(crate) type SketchRefinePageFn =
+    unsafe fn(coarse: &SketchCodes, fine: &SketchCodes, queries: &[RefineQuery], out: &mut [RefinedBounds]);
 /// Score bounds of a query group over rows of sketch codes (see [`Kernels::sketch_scan`]).
 pub(crate) type SketchScanFn = unsafe fn(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [Bounds]);
 
@@ -130,6 +133,7 @@ pub(crate) struct SketchKernels {
     pub(crate) bounds: SketchScanFn,
     pub(crate) select: SelectFn,
     pub(crate) prepare: SketchPrepareFn,
+    pub(crate) refine_page: SketchRefinePageFn,
 }
 
 /// The kernels of one weight format.
@@ -368,6 +372,7 @@ const SCALAR: Kernels = Kernels {
         bounds: crate::sketch::portable::bounds,
         select: crate::sketch::portable::select,
         prepare: crate::sketch::portable::prepare,
+        refine_page: crate::sketch::portable::refine_page,
     },
     tiles: [None; WeightType::ALL.len()],
 };

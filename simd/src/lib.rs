@@ -58,7 +58,10 @@ mod x86;
 
 pub use attention::prefetch;
 pub use dispatch::{kernels, select_isa, CodeRows, Isa, Kernels, ParseIsaError, SelectIsaError};
-pub use sketch::{Bounds, PrepareScales, PrepareSums, SketchCodes, SketchLayout, SketchQuery};
+pub use sketch::{
+    Bounds, FineConstants, PrepareScales, PrepareSums, RefineQuery, RefinedBounds, SketchCodes, SketchLayout,
+    SketchQuery,
+};
 
 /// Element type of a weight tensor, named and numbered as GGML does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

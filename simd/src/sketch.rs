@@ -120,6 +120,69 @@ impl SketchQuery<'_> {
     }
 }
 
+/// The 8-bit bound's constants of one query and page: for the integer dots
+/// `I8` of the 8-bit codes with the weights and `J8` with the residual
+/// weights, `x = fl(fl(α·fl(I8)) + fl(α₂·fl(J8)))` and the bounds `x + C8±`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct FineConstants {
+    /// `α`: the weights' step.
+    pub alpha: f32,
+    /// `α₂`: the residual weights' step.
+    pub alpha2: f32,
+    /// `C8₋`.
+    pub lower: f32,
+    /// `C8₊`.
+    pub upper: f32,
+}
+
+impl FineConstants {
+    /// The bounds of a key whose 8-bit codes' integer dots are `dot` (with
+    /// the weights) and `residual` (with the residual weights): the f32
+    /// operations of every table.
+    #[inline(always)]
+    pub fn bounds(&self, dot: i64, residual: i64) -> Bounds {
+        let x = self.alpha * dot as f32 + self.alpha2 * residual as f32;
+        Bounds { lower: x + self.lower, upper: x + self.upper }
+    }
+}
+
+/// One query prepared for refining a page whose sketch keeps 8-bit codes,
+/// as 4 scanned bits (the coarse codes) over 4 fine ones: the scan's query,
+/// its residual weights (in the same planes' order) and the 8-bit bound's
+/// constants.
+#[derive(Clone, Copy, Debug)]
+pub struct RefineQuery<'a> {
+    /// The scan's weights and constants, for the coarse codes.
+    pub scan: SketchQuery<'a>,
+    /// The residual weights `r̂_c`, as many as the weights.
+    pub residuals: &'a [i8],
+    /// The 8-bit bound's constants.
+    pub fine: FineConstants,
+}
+
+impl RefineQuery<'_> {
+    /// A key's refined bounds and the scan's, from its integer dots: `coarse`
+    /// (coarse codes with the weights), `code` and `residual` (8-bit codes
+    /// with the weights and with the residual weights). The refined bounds
+    /// lie within the scan's: refining never loosens.
+    #[inline(always)]
+    pub fn bounds(&self, coarse: i32, code: i64, residual: i64) -> RefinedBounds {
+        let scanned = self.scan.bounds(coarse);
+        let fine = self.fine.bounds(code, residual);
+        let refined = Bounds { lower: fine.lower.max(scanned.lower), upper: fine.upper.min(scanned.upper) };
+        RefinedBounds { refined, scanned }
+    }
+}
+
+/// A key's bounds from all 8 bits of its codes and from the scanned 4.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RefinedBounds {
+    /// From the 8-bit codes, within the scan's.
+    pub refined: Bounds,
+    /// The scan's, from the coarse codes alone ([`SketchQuery::bounds`]).
+    pub scanned: Bounds,
+}
+
 /// The per-channel terms of a sketch query's set-up, summed over the
 /// channels: what `sift`'s key sketch turns into the bounds' constants (it
 /// derives them). With `a_c = q_c·step_c`, weights `â_c = round(a_c/α)`,
@@ -421,6 +484,60 @@ impl BlockDots for Portable {
     }
 }
 
+/// The refinement of every row of a page for every query, from the integer
+/// dots of the coarse and the fine codes (4-bit fields each) with the
+/// weights and the residual weights: the 8-bit dot is `16·coarse + fine`.
+/// The form of the tables whose byte products cannot take 8-bit codes.
+///
+/// # Safety
+/// As [`scan`]; the fine codes have the coarse codes' layout, rows and
+/// width (4 bits), and `out` holds as many bounds per query as there are
+/// rows.
+#[inline(always)]
+pub(crate) unsafe fn refine_composed<D: BlockDots>(
+    coarse: &SketchCodes,
+    fine: &SketchCodes,
+    queries: &[RefineQuery],
+    out: &mut [RefinedBounds],
+) {
+    /// Queries refined together: their weights and residuals make sixteen
+    /// weight sets at most.
+    const GROUP: usize = 8;
+    let rows = out.len() / queries.len().max(1);
+    if rows == 0 {
+        return;
+    }
+    let empty = SketchQuery { weights: &[], beta: 0.0, lower: 0.0, upper: 0.0 };
+    let mut views = [empty; 2 * GROUP];
+    let mut dots = [0i32; 4 * 2 * GROUP * BLOCK];
+    for (queries, out) in queries.chunks(GROUP).zip(out.chunks_mut(GROUP * rows)) {
+        let n = queries.len();
+        for (k, query) in queries.iter().enumerate() {
+            views[k] = query.scan;
+            views[n + k] = SketchQuery { weights: query.residuals, ..query.scan };
+        }
+        for first in (0..rows).step_by(BLOCK) {
+            let block = rows.min(first + BLOCK) - first;
+            let len = n * block;
+            let (coarse_dots, fine_dots) = dots[..4 * len].split_at_mut(2 * len);
+            let at: [u32; BLOCK] = core::array::from_fn(|r| (first + r) as u32);
+            // SAFETY: the caller's guarantees are passed on; every row is in bounds.
+            unsafe {
+                scan_dots_at::<D>(coarse, &views[..2 * n], &at[..block], coarse_dots);
+                scan_dots_at::<D>(fine, &views[..2 * n], &at[..block], fine_dots);
+            }
+            // The 8-bit code is the 4 scanned bits above the 4 fine ones.
+            let code_dot = |k: usize| 16 * i64::from(dots[k]) + i64::from(dots[2 * len + k]);
+            for (h, query) in queries.iter().enumerate() {
+                for r in 0..block {
+                    let k = h * block + r;
+                    out[h * rows + first + r] = query.bounds(dots[k], code_dot(k), code_dot(len + k));
+                }
+            }
+        }
+    }
+}
+
 /// Appends to `out[n..]` the indices `first + i` of the `values[i]` at or
 /// above `threshold`; returns the new count. A store per number and a count
 /// that grows by the comparison: no branch to mispredict.
@@ -502,6 +619,17 @@ pub(crate) mod portable {
         unsafe { scan_dots_at::<Portable>(codes, queries, rows, out) }
     }
 
+    /// Table entry: [`refine_composed`] (lengths checked by the caller).
+    pub(crate) fn refine_page(
+        coarse: &SketchCodes,
+        fine: &SketchCodes,
+        queries: &[RefineQuery],
+        out: &mut [RefinedBounds],
+    ) {
+        // SAFETY: as above.
+        unsafe { refine_composed::<Portable>(coarse, fine, queries, out) }
+    }
+
     /// Table entry: [`super::select_rest`] over every number.
     pub(crate) fn select(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
         select_rest(values, 0, threshold, out, 0)
@@ -564,6 +692,39 @@ impl Kernels {
         assert_eq!(out.len(), rows.len() * queries.len(), "{} queries by {} rows", queries.len(), rows.len());
         // SAFETY: lengths and rows checked above; the table's ISA is supported (see `dispatch`).
         unsafe { (self.sketch.dots_at)(codes, queries, rows, out) }
+    }
+
+    /// `out[h · n + i]`: query `h`'s bounds on its score of row `i` of the
+    /// `n` rows of a page whose 8-bit codes are kept as `coarse` (the top 4
+    /// bits, as the scan reads them) over `fine` (the low 4 bits, in the
+    /// same layout): [`RefineQuery::bounds`] of the row's exact integer
+    /// dots, the scan's bounds with them. Each row's codes are read once for
+    /// every query.
+    ///
+    /// # Panics
+    /// If the codes are not 4-bit, not whole rows of `1..=2^16` codes, the
+    /// fine codes differ in layout or rows, a query has other than
+    /// [`SketchLayout::weights_len`] weights or residuals, or `out` does not
+    /// hold `n` bounds per query.
+    pub fn sketch_refine_page(
+        &self,
+        coarse: &SketchCodes,
+        fine: &SketchCodes,
+        queries: &[RefineQuery],
+        out: &mut [RefinedBounds],
+    ) {
+        let rows = coarse.rows();
+        assert!(coarse.layout.bits == 4 && coarse.layout.dim <= 1 << 16, "refining {:?}", coarse.layout);
+        assert_eq!(fine.layout, coarse.layout, "the fine codes in the coarse codes' layout");
+        assert_eq!(fine.rows(), rows, "as many fine rows as coarse ones");
+        let weights = coarse.layout.weights_len();
+        assert!(
+            queries.iter().all(|q| q.scan.weights.len() == weights && q.residuals.len() == weights),
+            "every query needs {weights} weights and residuals"
+        );
+        assert_eq!(out.len(), rows * queries.len(), "{} queries by {rows} rows", queries.len());
+        // SAFETY: lengths checked above; the table's ISA is supported (see `dispatch`).
+        unsafe { (self.sketch.refine_page)(coarse, fine, queries, out) }
     }
 
     /// Writes to `out` the indices `i`, ascending, of the `values[i] ≥

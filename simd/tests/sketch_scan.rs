@@ -8,7 +8,7 @@ mod common;
 
 use common::Rng;
 use proptest::prelude::{any, prop, prop_assert, prop_assert_eq, proptest, ProptestConfig, TestCaseError};
-use simd::{Bounds, Isa, Kernels, SketchCodes, SketchLayout, SketchQuery};
+use simd::{Bounds, FineConstants, Isa, Kernels, RefineQuery, RefinedBounds, SketchCodes, SketchLayout, SketchQuery};
 
 /// Code `c` of a row packed lowest bits first.
 fn code(row: &[u8], c: usize, bits: u32) -> i32 {
@@ -89,6 +89,70 @@ fn check_scan(seed: u64, dim: usize, bits: u32, rows: usize, heads: usize) -> Re
     Ok(())
 }
 
+/// The refinement of a page on every ISA against a reference in plain
+/// integer arithmetic: the three integer dots of every row (coarse codes with
+/// the weights, 8-bit codes `16·coarse + fine` with the weights and with the
+/// residuals), turned into bounds by `RefineQuery::bounds`, bit for bit;
+/// random codes, weights and residuals (every i8), dimensions that end
+/// inside a vector, rows that end inside a block.
+fn check_refine(seed: u64, dim: usize, rows: usize, heads: usize) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    let layout = SketchLayout { dim, bits: 4 };
+    let (coarse, fine) = (random_codes(&mut rng, layout, rows), random_codes(&mut rng, layout, rows));
+    let planes: Vec<[Vec<i8>; 2]> =
+        (0..heads).map(|_| [random_weights(&mut rng, layout), random_weights(&mut rng, layout)]).collect();
+    let mut constant = |centre: f64| (rng.normal() + centre) as f32;
+    let queries: Vec<RefineQuery> = planes
+        .iter()
+        .map(|[weights, residuals]| RefineQuery {
+            scan: SketchQuery { weights, beta: constant(0.0) * 1e-3, lower: constant(-4.0), upper: constant(4.0) },
+            residuals,
+            fine: FineConstants {
+                alpha: constant(0.0) * 1e-4,
+                alpha2: constant(0.0) * 1e-6,
+                lower: constant(-1.0),
+                upper: constant(1.0),
+            },
+        })
+        .collect();
+    let len = layout.row_bytes();
+    let want: Vec<RefinedBounds> = queries
+        .iter()
+        .flat_map(|q| {
+            coarse.chunks_exact(len).zip(fine.chunks_exact(len)).map(|(c, f)| {
+                let dot = |codes: &dyn Fn(usize) -> i64, weights: &[i8]| -> i64 {
+                    (0..dim).map(|ch| codes(ch) * i64::from(weights[layout.weight_slot(ch)])).sum()
+                };
+                let coarse_code = |ch| i64::from(code(c, ch, 4));
+                let code8 = |ch| 16 * i64::from(code(c, ch, 4)) + i64::from(code(f, ch, 4));
+                let coarse_dot = dot(&coarse_code, q.scan.weights) as i32;
+                q.bounds(coarse_dot, dot(&code8, q.scan.weights), dot(&code8, q.residuals))
+            })
+        })
+        .collect();
+    let bits_of = |b: &[RefinedBounds]| {
+        b.iter()
+            .flat_map(|b| [b.refined.lower, b.refined.upper, b.scanned.lower, b.scanned.upper].map(f32::to_bits))
+            .collect::<Vec<_>>()
+    };
+    let (coarse, fine) = (SketchCodes { layout, codes: &coarse }, SketchCodes { layout, codes: &fine });
+    for isa in Isa::available() {
+        let nan = Bounds { lower: f32::NAN, upper: f32::NAN };
+        let mut out = vec![RefinedBounds { refined: nan, scanned: nan }; heads * rows];
+        Kernels::for_isa(isa).unwrap().sketch_refine_page(&coarse, &fine, &queries, &mut out);
+        prop_assert_eq!(
+            bits_of(&out),
+            bits_of(&want),
+            "refinement on {}: {} heads, {} rows of {}",
+            isa,
+            heads,
+            rows,
+            dim
+        );
+    }
+    Ok(())
+}
+
 /// The selection on every ISA against a plain filter: random numbers, some
 /// equal to the threshold, infinities and NaN among them, every length up to
 /// a few vectors past a block.
@@ -123,6 +187,20 @@ proptest! {
         heads in 1usize..=7,
     ) {
         check_scan(seed, dim, bits, rows, heads)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(200))]
+
+    #[test]
+    fn every_isa_refines_a_page_as_the_reference(
+        seed in any::<u64>(),
+        dim in prop::sample::select(vec![1usize, 2, 3, 7, 63, 64, 65, 127, 128, 129, 256, 257, 512]),
+        rows in prop::sample::select(vec![0usize, 1, 7, 8, 9, 63, 64]),
+        heads in 1usize..=9,
+    ) {
+        check_refine(seed, dim, rows, heads)?;
     }
 }
 

@@ -75,10 +75,13 @@
 //! codes' fields, [`simd::SketchLayout::weight_slot`]), and
 //! [`KeySketch::scan_heads`] scans a page for the query heads of one KV head
 //! at once, reading each key's codes once for all of them.
+//! [`KeySketch::refine_page`] does the same with all 8 bits, giving the
+//! scan's bounds and the refined ones from one pass over the coarse and
+//! fine codes ([`simd::Kernels::sketch_refine_page`]).
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use simd::{CodeRows, PrepareSums, SketchCodes, SketchLayout, SketchQuery};
+use simd::{CodeRows, FineConstants, PrepareSums, RefineQuery, RefinedBounds, SketchCodes, SketchLayout, SketchQuery};
 
 use std::ops::Range;
 
@@ -297,7 +300,7 @@ impl KeySketch {
     /// sketch keeps no more bits than it scans, these are the scan's bounds.
     pub fn refine_heads(&self, queries: &[ScanQuery], rows: &[u32], dots: &mut Vec<i32>, out: &mut [Bounds]) {
         let kernels = simd::kernels();
-        self.refine_with(queries, rows.len(), dots, out, None, |codes, weights, dots| {
+        self.refine_with(queries, rows.len(), dots, out, |codes, weights, dots| {
             kernels.sketch_dots_at(codes, weights, rows, dots)
         });
     }
@@ -305,44 +308,73 @@ impl KeySketch {
     /// [`Self::refine_heads`] of every key of the page, `out[h·PAGE + i]`:
     /// the rows read in order, as a scan reads them. `scanned` gets the
     /// scan's own bounds ([`Self::scan_heads`]'s, the same bits), which the
-    /// refinement computes on the way.
+    /// refinement computes on the way. (The scratch `_dots` of the listed
+    /// refinement is not needed here.)
     pub fn refine_page_heads(
         &self,
         queries: &[ScanQuery],
-        dots: &mut Vec<i32>,
+        _dots: &mut Vec<i32>,
         out: &mut [Bounds],
         scanned: &mut [Bounds],
     ) {
-        let kernels = simd::kernels();
-        let dots_of =
-            |codes: &SketchCodes, weights: &[SketchQuery], dots: &mut [i32]| kernels.sketch_dots(codes, weights, dots);
-        self.refine_with(queries, PAGE, dots, out, Some(scanned), dots_of);
+        assert!(out.len() == queries.len() * PAGE && scanned.len() == out.len(), "a page of bounds per query");
+        if !self.refines() {
+            self.scan_heads(queries, scanned);
+            out.copy_from_slice(scanned);
+            return;
+        }
+        let mut both = vec![RefinedBounds::default(); out.len()];
+        self.refine_page(queries, &mut both);
+        for ((o, s), b) in out.iter_mut().zip(scanned.iter_mut()).zip(&both) {
+            (*o, *s) = (b.refined, b.scanned);
+        }
+    }
+
+    /// The bounds of every key of a page that keeps 8-bit codes, from all
+    /// of them and from the scanned ones, for several queries (the query
+    /// heads of one KV head), each prepared for this page: `out[h·PAGE + i]`
+    /// bounds query `h`'s score of key `i`. One pass over the coarse and
+    /// fine codes for all the queries ([`simd::Kernels::sketch_refine_page`]);
+    /// the same bits as [`Self::refine_heads`] and [`Self::scan_heads`].
+    ///
+    /// # Panics
+    /// If the sketch does not refine ([`Self::refines`]).
+    pub fn refine_page(&self, queries: &[ScanQuery], out: &mut [RefinedBounds]) {
+        const GROUP: usize = 8;
+        assert!(self.refines(), "a page whose sketch keeps 8 bits");
+        assert_eq!(out.len(), queries.len() * PAGE, "a page of bounds per query");
+        let coarse = self.scan_codes(0..PAGE);
+        let fine = SketchCodes { layout: coarse.layout, codes: &self.fine };
+        let empty = SketchQuery { weights: &[], beta: 0.0, lower: 0.0, upper: 0.0 };
+        let mut views = [RefineQuery { scan: empty, residuals: &[], fine: FineConstants::default() }; GROUP];
+        for (queries, out) in queries.chunks(GROUP).zip(out.chunks_mut(GROUP * PAGE)) {
+            for (view, query) in views.iter_mut().zip(queries) {
+                *view = query.refine_view();
+            }
+            simd::kernels().sketch_refine_page(&coarse, &fine, &views[..queries.len()], out);
+        }
     }
 
     /// The refinement of `n` keys whose integer dots `dots_of(codes,
-    /// weights, out)` writes, weight set after weight set, `n` apiece; the
-    /// scan's bounds of the same keys into `scanned`, if asked for.
+    /// weights, out)` writes, weight set after weight set, `n` apiece.
     fn refine_with(
         &self,
         queries: &[ScanQuery],
         n: usize,
         dots: &mut Vec<i32>,
         out: &mut [Bounds],
-        mut scanned: Option<&mut [Bounds]>,
         dots_of: impl Fn(&SketchCodes, &[SketchQuery], &mut [i32]),
     ) {
         /// Queries refined together: their weights and residuals make one
         /// kernel call's sixteen weight sets at most.
         const GROUP: usize = 8;
         assert_eq!(out.len(), queries.len() * n, "a bound per query and row");
-        assert!(scanned.as_ref().is_none_or(|s| s.len() == out.len()), "a scanned bound per query and row");
         let coarse = self.scan_codes(0..PAGE);
         let fine = SketchCodes { layout: SketchLayout { dim: self.dim, bits: 4 }, codes: &self.fine };
         let empty = SketchQuery { weights: &[], beta: 0.0, lower: 0.0, upper: 0.0 };
         let mut views = [empty; 2 * GROUP];
-        for (chunk, (queries, out)) in queries.chunks(GROUP).zip(out.chunks_mut(GROUP * n)).enumerate() {
+        for (queries, out) in queries.chunks(GROUP).zip(out.chunks_mut(GROUP * n)) {
             let len = queries.len() * n;
-            let mut scanned = scanned.as_deref_mut().map(|s| &mut s[chunk * GROUP * n..][..len]);
             if !self.refines() {
                 for (view, query) in views.iter_mut().zip(queries) {
                     *view = query.view();
@@ -352,9 +384,6 @@ impl KeySketch {
                 dots_of(&coarse, &views[..queries.len()], dots);
                 for (k, o) in out.iter_mut().enumerate() {
                     *o = views[k / n].bounds(dots[k]);
-                }
-                if let Some(scanned) = scanned {
-                    scanned.copy_from_slice(out);
                 }
                 continue;
             }
@@ -372,13 +401,7 @@ impl KeySketch {
             // The 8-bit code is the 4 scanned bits above the 4 fine ones.
             let code_dot = |k: usize| 16 * i64::from(dots[k]) + i64::from(dots[2 * len + k]);
             for (k, o) in out.iter_mut().enumerate() {
-                let query = &queries[k / n];
-                let coarse = both[k / n].bounds(dots[k]);
-                let fine = query.fine.bounds(code_dot(k), code_dot(len + k));
-                *o = Bounds { lower: fine.lower.max(coarse.lower), upper: fine.upper.min(coarse.upper) };
-                if let Some(scanned) = scanned.as_deref_mut() {
-                    scanned[k] = coarse;
-                }
+                *o = queries[k / n].refine_view().bounds(dots[k], code_dot(k), code_dot(len + k)).refined;
             }
         }
     }
@@ -434,28 +457,11 @@ pub struct ScanQuery {
     lower: f32,
     upper: f32,
     /// The 8-bit bound's constants (where the sketch keeps 8 bits).
-    fine: FineBound,
+    fine: FineConstants,
     /// The weights and residuals in channel order, padded to whole code
     /// bytes.
     channel_weights: Vec<i8>,
     channel_residuals: Vec<i8>,
-}
-
-/// `fl(fl(fl(α·fl(I)) + fl(α₂·fl(J))) + C±)` for the integer dots `I`, `J`
-/// of the 8-bit codes with the weights and with their residuals.
-#[derive(Clone, Copy, Debug, Default)]
-struct FineBound {
-    alpha: f32,
-    alpha2: f32,
-    lower: f32,
-    upper: f32,
-}
-
-impl FineBound {
-    fn bounds(&self, dot: i64, residual: i64) -> Bounds {
-        let x = self.alpha * dot as f32 + self.alpha2 * residual as f32;
-        Bounds { lower: x + self.lower, upper: x + self.upper }
-    }
 }
 
 impl ScanQuery {
@@ -539,11 +545,11 @@ impl ScanQuery {
             set_up,
         };
         let (lower, upper) = fine.ends();
-        self.fine = FineBound { alpha, alpha2, lower, upper };
+        self.fine = FineConstants { alpha, alpha2, lower, upper };
         let finite = [magnitude, dot, self.beta, self.lower, self.upper, lower, upper].iter().all(|x| x.is_finite());
         if !finite || magnitude + dot > 2f32.powi(100) {
             (self.beta, self.lower, self.upper) = (0.0, f32::NEG_INFINITY, f32::INFINITY);
-            self.fine = FineBound { alpha: 0.0, alpha2: 0.0, lower: f32::NEG_INFINITY, upper: f32::INFINITY };
+            self.fine = FineConstants { alpha: 0.0, alpha2: 0.0, lower: f32::NEG_INFINITY, upper: f32::INFINITY };
         }
     }
 
@@ -555,6 +561,11 @@ impl ScanQuery {
     /// The residual weights, for the refinement's integer dots.
     fn residual_view(&self) -> SketchQuery<'_> {
         SketchQuery { weights: &self.residuals, ..self.view() }
+    }
+
+    /// The query as the SIMD refinement of a page takes it.
+    fn refine_view(&self) -> RefineQuery<'_> {
+        RefineQuery { scan: self.view(), residuals: &self.residuals, fine: self.fine }
     }
 }
 

@@ -10,12 +10,21 @@
 //! (and AVX-VNNI, its VEX form) `vpdpbusd`, which sums four products into
 //! i32 without saturating at all.
 //! The ymm form serves both: Zen 4 runs zmm operations as two ymm halves.
+//!
+//! The refinement of a whole page ([`refine_fused`]) joins on the VNNI
+//! tables each coarse byte with its fine byte into the two 8-bit codes they
+//! hold, so that one chain of byte products per query gives the 8-bit dot
+//! (the codes reach 255, which `vpdpbusd` takes and `vpmaddubsw` would
+//! saturate on; AVX2 composes it from 4-bit dots instead).
 
 use core::arch::x86_64::*;
 
 use super::{load32, reduce8x8, Avx2, Avx512, AvxVnni, IsaOps};
 use crate::dispatch::SketchKernels;
-use crate::sketch::{reduce_prepare, BlockDots, Bounds, PrepareScales, PrepareSums, SketchCodes, SketchQuery, ROUND};
+use crate::sketch::{
+    reduce_prepare, BlockDots, Bounds, PrepareScales, PrepareSums, RefineQuery, RefinedBounds, SketchCodes,
+    SketchQuery, ROUND,
+};
 
 /// Bytes of codes per vector.
 const VECTOR: usize = 32;
@@ -105,6 +114,167 @@ unsafe fn accumulate<I: IsaOps, const BITS: u32, const G: usize, const R: usize>
     }
 }
 
+/// Rows refined together: one vector of dots per query and kind of dot.
+const REFINED_ROWS: usize = 8;
+
+/// The three integer dots of a row the refinement needs, per query: the
+/// coarse codes with the weights, the 8-bit codes with the weights, and the
+/// 8-bit codes with the residual weights.
+type RowDots<const G: usize> = [[__m256i; 3]; G];
+
+/// [`crate::sketch::refine_composed`]'s bounds on a table whose byte
+/// products take 8-bit codes exactly: per row and [`VECTOR`] code bytes, the
+/// coarse nibbles and the two 8-bit codes of each byte pair (coarse nibble
+/// above fine nibble) meet each query's weight planes, three chains of
+/// `dp`; [`REFINED_ROWS`] rows' dots are reduced together, and their bounds
+/// computed in f32 vectors with the operations of [`RefineQuery::bounds`].
+///
+/// # Safety
+/// The CPU must support the ISA, whose `dp` has [`IsaOps::BYTE_DP`]; the
+/// lengths are as `Kernels::sketch_refine_page` checks.
+#[inline(always)]
+unsafe fn refine_fused<I: IsaOps>(
+    coarse: &SketchCodes,
+    fine: &SketchCodes,
+    queries: &[RefineQuery],
+    out: &mut [RefinedBounds],
+) {
+    const { assert!(I::BYTE_DP, "8-bit codes need exact byte products") };
+    let rows = out.len() / queries.len().max(1);
+    if rows == 0 {
+        return;
+    }
+    let mut groups = queries.iter().zip(out.chunks_exact_mut(rows));
+    // SAFETY (every arm): the caller's guarantees are passed on.
+    loop {
+        match groups.len() {
+            0 => break,
+            1 => unsafe { refine_group::<I, 1>(coarse, fine, &mut groups, rows) },
+            2 => unsafe { refine_group::<I, 2>(coarse, fine, &mut groups, rows) },
+            3 => unsafe { refine_group::<I, 3>(coarse, fine, &mut groups, rows) },
+            _ => unsafe { refine_group::<I, 4>(coarse, fine, &mut groups, rows) },
+        }
+    }
+}
+
+/// [`refine_fused`] of the next `G` queries.
+///
+/// # Safety
+/// As [`refine_fused`]; at least `G` queries are left.
+#[inline(always)]
+unsafe fn refine_group<'a, 'q: 'a, I: IsaOps, const G: usize>(
+    coarse: &SketchCodes,
+    fine: &SketchCodes,
+    groups: &mut impl Iterator<Item = (&'a RefineQuery<'q>, &'a mut [RefinedBounds])>,
+    rows: usize,
+) {
+    let mut group: [_; G] = core::array::from_fn(|_| groups.next().expect("a whole group is left"));
+    let len = coarse.layout.row_bytes();
+    let whole = len / VECTOR * VECTOR;
+    // Per query, its four planes (weights even and odd, residuals even and
+    // odd), and their last bytes padded with zeros.
+    let planes: [[&[i8]; 4]; G] = group.each_ref().map(|(q, _)| {
+        let (w, r) = (q.scan.weights, q.residuals);
+        [&w[..len], &w[len..2 * len], &r[..len], &r[len..2 * len]]
+    });
+    let tails: [[[i8; VECTOR]; 4]; G] = planes.map(|p| p.map(|plane| padded(&plane[whole..])));
+    for start in (0..rows).step_by(REFINED_ROWS) {
+        // SAFETY: the caller's ISA guarantee.
+        let zero = unsafe { _mm256_setzero_si256() };
+        let mut dots = [[[zero; REFINED_ROWS]; 3]; G];
+        for r in 0..REFINED_ROWS {
+            // Past the last row, the block repeats it (and drops its bounds).
+            let row = (start + r).min(rows - 1);
+            let (c, f) = (&coarse.codes[row * len..][..len], &fine.codes[row * len..][..len]);
+            let mut acc: RowDots<G> = [[zero; 3]; G];
+            // SAFETY: the caller's ISA guarantee; every load is of a whole vector.
+            unsafe {
+                for m in (0..whole).step_by(VECTOR) {
+                    let weights = planes.map(|p| p.map(|plane| load32(first::<i8>(&plane[m..]))));
+                    refine_bytes::<I, G>(
+                        &mut acc,
+                        load32(first::<u8>(&c[m..])),
+                        load32(first::<u8>(&f[m..])),
+                        &weights,
+                    );
+                }
+                if whole < len {
+                    let weights = tails.map(|p| p.map(|plane| load32(&plane)));
+                    let (c, f) = (padded::<u8, VECTOR>(&c[whole..]), padded::<u8, VECTOR>(&f[whole..]));
+                    refine_bytes::<I, G>(&mut acc, load32(&c), load32(&f), &weights);
+                }
+            }
+            for (dots, acc) in dots.iter_mut().zip(acc) {
+                for (dots, acc) in dots.iter_mut().zip(acc) {
+                    dots[r] = acc;
+                }
+            }
+        }
+        let block = (rows - start).min(REFINED_ROWS);
+        for ((query, out), dots) in group.iter_mut().zip(&dots) {
+            // SAFETY: the caller's ISA guarantee.
+            let bounds = unsafe { refined_bounds(query, dots.each_ref().map(|d| reduce8x8(d))) };
+            out[start..start + block].copy_from_slice(&bounds[..block]);
+        }
+    }
+}
+
+/// Adds to `acc` one vector of a row's code bytes: coarse `c` and fine `f`,
+/// with each query's planes `[weights even, weights odd, residuals even,
+/// residuals odd]` at those bytes.
+///
+/// # Safety
+/// The CPU must support the ISA, whose `dp` has [`IsaOps::BYTE_DP`].
+#[inline(always)]
+unsafe fn refine_bytes<I: IsaOps, const G: usize>(
+    acc: &mut RowDots<G>,
+    c: __m256i,
+    f: __m256i,
+    weights: &[[__m256i; 4]; G],
+) {
+    // SAFETY: the caller's ISA guarantee covers every intrinsic below.
+    unsafe {
+        let (low, high) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0xf0u8 as i8));
+        // The coarse codes of the even and odd channels.
+        let coarse_even = _mm256_and_si256(c, low);
+        let coarse_odd = _mm256_and_si256(_mm256_srli_epi16::<4>(c), low);
+        // Their 8-bit codes: coarse nibble above fine nibble.
+        let even = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16::<4>(c), high), _mm256_and_si256(f, low));
+        let odd = _mm256_or_si256(_mm256_and_si256(c, high), _mm256_and_si256(_mm256_srli_epi16::<4>(f), low));
+        for (acc, [w_even, w_odd, r_even, r_odd]) in acc.iter_mut().zip(weights) {
+            acc[0] = I::dp(I::dp(acc[0], coarse_even, *w_even), coarse_odd, *w_odd);
+            acc[1] = I::dp(I::dp(acc[1], even, *w_even), odd, *w_odd);
+            acc[2] = I::dp(I::dp(acc[2], even, *r_even), odd, *r_odd);
+        }
+    }
+}
+
+/// [`RefineQuery::bounds`] of eight rows, from their dots `[coarse, 8-bit,
+/// 8-bit residual]`, in f32 vectors with the same operations.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[inline(always)]
+unsafe fn refined_bounds(query: &RefineQuery, dots: [__m256i; 3]) -> [RefinedBounds; REFINED_ROWS] {
+    // SAFETY: the caller's ISA guarantee covers every intrinsic below.
+    let lanes: [[f32; 8]; 4] = unsafe {
+        let splat = _mm256_set1_ps;
+        let [coarse, code, residual] = dots.map(|d| _mm256_cvtepi32_ps(d));
+        let x = _mm256_mul_ps(splat(query.scan.beta), coarse);
+        let (scanned_lower, scanned_upper) =
+            (_mm256_add_ps(x, splat(query.scan.lower)), _mm256_add_ps(x, splat(query.scan.upper)));
+        let fine = query.fine;
+        let x = _mm256_add_ps(_mm256_mul_ps(splat(fine.alpha), code), _mm256_mul_ps(splat(fine.alpha2), residual));
+        let (lower, upper) = (_mm256_add_ps(x, splat(fine.lower)), _mm256_add_ps(x, splat(fine.upper)));
+        [_mm256_max_ps(lower, scanned_lower), _mm256_min_ps(upper, scanned_upper), scanned_lower, scanned_upper]
+            .map(bytemuck::cast)
+    };
+    core::array::from_fn(|r| RefinedBounds {
+        refined: Bounds { lower: lanes[0][r], upper: lanes[1][r] },
+        scanned: Bounds { lower: lanes[2][r], upper: lanes[3][r] },
+    })
+}
+
 /// The first [`VECTOR`] items of `x`, which has them.
 #[inline(always)]
 fn first<T>(x: &[T]) -> &[T; VECTOR] {
@@ -112,9 +282,10 @@ fn first<T>(x: &[T]) -> &[T; VECTOR] {
 }
 
 /// Defines the module `$module` of the scan's table entries on `$I`,
-/// compiled for `$features`.
+/// compiled for `$features`; a page's refinement by `$refine`
+/// ([`refine_fused`], or [`crate::sketch::refine_composed`] from 4-bit dots).
 macro_rules! sketch_entries {
-    ($module:ident, $I:ty, $features:literal) => {
+    ($module:ident, $I:ty, $refine:ident, $features:literal) => {
         mod $module {
             use super::*;
 
@@ -141,14 +312,28 @@ macro_rules! sketch_entries {
                 // SAFETY: this function enables the features.
                 unsafe { crate::sketch::scan_bounds::<$I>(codes, queries, out) }
             }
+
+            /// # Safety
+            /// The CPU must support the features; lengths as `Kernels::sketch_refine_page` checks.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn refine_page(
+                coarse: &SketchCodes,
+                fine: &SketchCodes,
+                queries: &[RefineQuery],
+                out: &mut [RefinedBounds],
+            ) {
+                // SAFETY: this function enables the features.
+                unsafe { $refine::<$I>(coarse, fine, queries, out) }
+            }
         }
     };
 }
 
 // The feature lists are those `Isa::is_supported` checks.
-sketch_entries!(avx2, Avx2, "avx2,fma,f16c");
-sketch_entries!(avxvnni, AvxVnni, "avx2,fma,f16c,avxvnni");
-sketch_entries!(avx512, Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+use crate::sketch::refine_composed;
+sketch_entries!(avx2, Avx2, refine_composed, "avx2,fma,f16c");
+sketch_entries!(avxvnni, AvxVnni, refine_fused, "avx2,fma,f16c,avxvnni");
+sketch_entries!(avx512, Avx512, refine_fused, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
 
 /// `Kernels::select_at_least` on AVX2: eight comparisons a vector, their
 /// mask's set bits written out one by one (the keys selected are few).
@@ -350,6 +535,7 @@ pub(super) const AVX2: SketchKernels = SketchKernels {
     dots: avx2::dots,
     dots_at: avx2::dots_at,
     bounds: avx2::bounds,
+    refine_page: avx2::refine_page,
     select: select_avx2,
     prepare: prepare_entry,
 };
@@ -359,6 +545,7 @@ pub(super) const AVXVNNI: SketchKernels = SketchKernels {
     dots: avxvnni::dots,
     dots_at: avxvnni::dots_at,
     bounds: avxvnni::bounds,
+    refine_page: avxvnni::refine_page,
     select: select_avx2,
     prepare: prepare_entry,
 };
@@ -368,6 +555,7 @@ pub(super) const AVX512: SketchKernels = SketchKernels {
     dots: avx512::dots,
     dots_at: avx512::dots_at,
     bounds: avx512::bounds,
+    refine_page: avx512::refine_page,
     select: select_avx512,
     prepare: prepare_entry,
 };

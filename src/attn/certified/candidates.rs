@@ -19,14 +19,18 @@
 //! pool's pages, from the per-page maxima the cache keeps as it stores
 //! values: a deterministic bound, as the certificate needs.
 //!
-//! Refinement goes a page at a time: the first head that needs a key's 8-bit
-//! bound has its whole page refined for every head of the group, the rows
-//! read in order ([`KeySketch::refine_page_heads`]), and the refined upper
-//! bounds kept per page. Where most pages of a layer were refined ahead in
-//! its last call, the scan refines every page as it goes
-//! ([`GroupScan::scan_pages`]), reading its coarse codes once rather than
-//! twice; the largest lower bound, and so each head's shift, is the scan's
-//! either way.
+//! Where the sketch keeps 8-bit codes, the scan refines as it goes: one
+//! pass over each page's coarse and fine codes gives, for all the group's
+//! heads at once, the scan's bounds and the 8-bit ones
+//! ([`KeySketch::refine_page`]), and the keys get the refined upper bounds
+//! at once. The largest lower bound, and so each head's shift, is the 4-bit
+//! scan's all the same (its bounds come out of the same pass, bit for bit),
+//! so the keys that enter a level are those the 4-bit scan alone would have
+//! let enter; only fewer are read to find them. (On the benchmark's caches
+//! and the default model's, the 4-bit bounds let 60–92% of the pool reach
+//! the levels the heads go down to, so a 4-bit pass that refined only the
+//! pages it could not rule out refined nearly every page anyway, and read
+//! their coarse codes twice.)
 //!
 //! [`CacheHead`] is one query head's view for [`super::head::HeadAttention`]:
 //! the exact set is the sinks and the window, and exact scores and values
@@ -47,10 +51,9 @@
 //!
 //! Each head counts what it reads: its share of the scan (the sketch's
 //! minima and steps and its coarse codes, split evenly among the group's
-//! heads, which read them once together, and likewise the pages refined
-//! ahead), the bytes of the keys it read first for the group (the coarse
-//! and fine codes of the pages it had refined, the key rows of an exact
-//! score), and its value bytes, as the cache holds
+//! heads, which read them once together, fine codes included where the
+//! scan refines), the bytes of the keys it read first for the group (the
+//! key rows of an exact score), and its value bytes, as the cache holds
 //! them ([`HeadRows::key_bytes`], [`HeadRows::value_bytes`]), the exact
 //! set's included.
 
@@ -64,7 +67,8 @@ use super::perturb::Perturbations;
 use crate::attn::read::{self, HeadRows};
 use crate::attn::{LayerCall, Scorer, Split};
 use crate::kv::quant::{packed_len, Affine, Bits};
-use crate::kv::{Bounds, KeyCover, KeySketch, KvMode, PagedLayer, Rows, ScanQuery, PAGE};
+use crate::kv::{Bounds, KeyCover, KvMode, PagedLayer, Rows, ScanQuery, PAGE};
+use simd::RefinedBounds;
 
 /// The pool of one KV head at one decoding step, scanned for the query
 /// heads of its group.
@@ -77,13 +81,11 @@ pub struct GroupScan {
     /// How a dot product becomes a score (scale, and soft-cap where the
     /// model caps).
     scorer: Scorer,
-    /// `n_gqa` prepared queries per sketched page of the pool, in order.
+    /// The group's queries prepared for the page being scanned.
     prepared: Vec<ScanQuery>,
-    /// Per page of the pool (from its first): the place of its prepared
-    /// queries in `prepared` (in units of `n_gqa`), if it is sketched.
-    pages: Vec<Option<usize>>,
     affine: Vec<f32>,
     page_bounds: Vec<Bounds>,
+    refined_bounds: Vec<RefinedBounds>,
     /// `[head][pool key]`: `p_i ≥ s_i + E_i`.
     perturbed: Vec<f32>,
     /// Per head: the largest lower bound of a pool key's score.
@@ -96,7 +98,8 @@ pub struct GroupScan {
     pub value_norm_max: f64,
     /// Sketch bytes the scan read, for the whole group.
     pub scanned_bytes: usize,
-    /// Whether some page's sketch keeps more bits than it scans.
+    /// Whether some page's sketch keeps more bits than it scans (and so
+    /// its keys' bounds are refined).
     refines: bool,
 }
 
@@ -105,13 +108,12 @@ impl GroupScan {
     /// with the pool's perturbations.
     pub fn scan(&mut self, call: &LayerCall, kv_head: usize, split: &Split, perturbations: &Perturbations) {
         self.start(call, kv_head, split, perturbations);
-        self.scan_pages(call, kv_head, None);
+        self.scan_pages(call, kv_head);
     }
 
     /// Takes the call's queries, rounded to f16, and the pool's
-    /// perturbations, and forgets every bound: the exact set can be scored
-    /// from here on, the pool after [`Self::scan_pages`].
-    pub fn start(&mut self, call: &LayerCall, kv_head: usize, split: &Split, perturbations: &Perturbations) {
+    /// perturbations, and forgets every bound.
+    fn start(&mut self, call: &LayerCall, kv_head: usize, split: &Split, perturbations: &Perturbations) {
         let (batch, cache) = (call.batch, call.cache);
         let (n_gqa, dim) = (batch.n_gqa, batch.head_dim_k);
         self.queries.clear();
@@ -131,90 +133,65 @@ impl GroupScan {
         self.page_bounds.resize(n_gqa * PAGE, Bounds { lower: 0.0, upper: 0.0 });
         self.scanned_bytes = 0;
         self.value_norm_max = 0.0;
-        self.pages.clear();
         self.refines = false;
         self.exponential_uppers.clear();
         self.exponential_uppers.extend(split.pool.clone().map(|pos| perturbations.exponential_upper(pos)));
         if split.pool.is_empty() {
             return;
         }
-        let first_page = split.pool.start / PAGE;
-        let pages = split.pool.end.div_ceil(PAGE) - first_page;
-        self.pages.resize(pages, None);
-        for page in first_page..first_page + pages {
+        for page in split.pool.start / PAGE..split.pool.end.div_ceil(PAGE) {
             self.value_norm_max = self.value_norm_max.max(f64::from(cache.value_norm(kv_head, page)));
         }
     }
 
-    /// Scans the sketched pages of the pool. With `refine`, each page whose
-    /// sketch refines is refined as it is scanned (the group's `reads` keep
-    /// the refined bounds) and its keys get the refined bounds at once: one
-    /// pass over its coarse codes instead of two when most pages would be
-    /// refined anyway. The largest lower bound is the scan's in either case.
-    /// Returns the bytes the refinements read.
-    pub fn scan_pages(&mut self, call: &LayerCall, kv_head: usize, mut refine: Option<&mut GroupReads>) -> usize {
+    /// Scans the sketched pages of the pool, refining those whose sketch
+    /// keeps 8-bit codes in the same pass.
+    fn scan_pages(&mut self, call: &LayerCall, kv_head: usize) {
         let cache = call.cache;
         let (n_gqa, dim) = (self.n_gqa, call.batch.head_dim_k);
         let (split_pool, pool) = (self.pool.clone(), self.pool.len());
         if split_pool.is_empty() {
-            return 0;
+            return;
         }
-        let first_page = split_pool.start / PAGE;
-        let (mut sketched, mut bytes) = (0, 0);
+        self.prepared.resize_with(n_gqa, ScanQuery::default);
+        self.page_bounds.resize(n_gqa * PAGE, Bounds::default());
+        self.refined_bounds.resize(n_gqa * PAGE, RefinedBounds::default());
         for cover in cache.key_cover(kv_head, split_pool.clone()) {
             let KeyCover::Sketched { page, sketch, rows } = cover else { continue };
-            if self.prepared.len() < (sketched + 1) * n_gqa {
-                self.prepared.resize_with((sketched + 1) * n_gqa, ScanQuery::default);
-            }
-            self.pages[page - first_page] = Some(sketched);
-            self.refines |= sketch.refines();
             sketch.affine_f32(&mut self.affine);
-            let prepared = &mut self.prepared[sketched * n_gqa..][..n_gqa];
-            for (prepared, q) in prepared.iter_mut().zip(self.queries.chunks_exact(dim)) {
+            for (prepared, q) in self.prepared.iter_mut().zip(self.queries.chunks_exact(dim)) {
                 prepared.prepare_with(sketch, q, &self.affine);
             }
-            sketched += 1;
-            let (uppers, lowers) = match refine.as_deref_mut() {
-                Some(reads) if sketch.refines() => {
-                    bytes += reads.refine_page_now(self, sketch, page);
-                    self.scanned_bytes += dim * std::mem::size_of::<Affine>();
-                    (&reads.refine_bounds, &reads.scanned_bounds)
-                }
-                _ => {
-                    sketch.scan_heads(&self.prepared[(sketched - 1) * n_gqa..][..n_gqa], &mut self.page_bounds);
-                    self.scanned_bytes += scan_bytes(cache.mode(), dim);
-                    (&self.page_bounds, &self.page_bounds)
-                }
-            };
+            let refines = sketch.refines();
+            self.refines |= refines;
+            if refines {
+                sketch.refine_page(&self.prepared, &mut self.refined_bounds);
+                self.scanned_bytes += dim * std::mem::size_of::<Affine>() + PAGE * sketch.refinement_bytes();
+            } else {
+                sketch.scan_heads(&self.prepared, &mut self.page_bounds);
+                self.scanned_bytes += scan_bytes(cache.mode(), dim);
+            }
             let first = page * PAGE + rows.start - split_pool.start;
             let exponentials = &self.exponential_uppers[first..][..rows.len()];
             for h in 0..n_gqa {
-                let uppers = &uppers[h * PAGE..][rows.clone()];
                 let perturbed = &mut self.perturbed[h * pool + first..][..rows.len()];
-                for ((p, b), &e) in perturbed.iter_mut().zip(uppers).zip(exponentials) {
-                    *p = perturbed_upper(self.scorer.upper(b.upper), e);
-                }
-                let lower = lowers[h * PAGE..][rows.clone()].iter().fold(f32::NEG_INFINITY, |m, b| m.max(b.lower));
+                let rows = h * PAGE + rows.start..h * PAGE + rows.end;
+                let lower = if refines {
+                    let bounds = &self.refined_bounds[rows];
+                    for ((p, b), &e) in perturbed.iter_mut().zip(bounds).zip(exponentials) {
+                        *p = perturbed_upper(self.scorer.upper(b.refined.upper), e);
+                    }
+                    bounds.iter().fold(f32::NEG_INFINITY, |m, b| m.max(b.scanned.lower))
+                } else {
+                    let bounds = &self.page_bounds[rows];
+                    for ((p, b), &e) in perturbed.iter_mut().zip(bounds).zip(exponentials) {
+                        *p = perturbed_upper(self.scorer.upper(b.upper), e);
+                    }
+                    bounds.iter().fold(f32::NEG_INFINITY, |m, b| m.max(b.lower))
+                };
                 self.lower_max[h] = self.lower_max[h].max(self.scorer.bounds(lower, lower).0);
             }
         }
-        bytes
-    }
-
-    /// The pages of the pool holding a key whose bound reaches
-    /// `thresholds[g]` for some head `g`.
-    pub fn pages_reaching<'s>(&'s self, thresholds: &'s [f32]) -> impl Iterator<Item = usize> + 's {
-        let pool = self.pool.clone();
-        (pool.start / PAGE..pool.end.div_ceil(PAGE)).filter(move |&page| {
-            let keys = self.page_keys(page);
-            (0..self.n_gqa).any(|g| self.perturbed_uppers(g)[keys.clone()].iter().any(|&p| p >= thresholds[g]))
-        })
-    }
-
-    /// The pool keys (numbered from the pool's first) of `page`.
-    fn page_keys(&self, page: usize) -> Range<usize> {
-        let pool = &self.pool;
-        (page * PAGE).max(pool.start) - pool.start..((page + 1) * PAGE).min(pool.end) - pool.start
     }
 
     /// Query head `g` of the group, rounded to f16.
@@ -236,12 +213,6 @@ impl GroupScan {
     /// Query head `g`'s largest lower bound on a pool key's score.
     pub fn lower_max(&self, g: usize) -> f64 {
         self.lower_max[g]
-    }
-
-    /// The prepared queries of the group for `page`, if it is sketched.
-    fn prepared(&self, page: usize) -> Option<&[ScanQuery]> {
-        let index = self.pages[page - self.pool.start / PAGE]?;
-        Some(&self.prepared[index * self.n_gqa..][..self.n_gqa])
     }
 }
 
@@ -284,21 +255,14 @@ impl<T: Copy + Default> Memo<T> {
 
 /// What the group's heads have read of its keys this call, for all of them
 /// at once: exact scores (keys numbered as the exact set, sinks then
-/// window, then the pool), the pool keys' refined upper bounds on `s_i`,
-/// and their perturbations.
+/// window, then the pool) and the pool keys' perturbations.
 #[derive(Default)]
 pub struct GroupReads {
     scores: Memo<f32>,
-    /// Per page of the pool (from its first), once refined: the refined
-    /// upper bounds on the scores, `[head][row]`.
-    refined: Memo<f32>,
     exponentials: Memo<f64>,
     dots: Vec<f32>,
     /// The exact key rows to score, end to end.
     gathered: Vec<f16>,
-    refine_dots: Vec<i32>,
-    refine_bounds: Vec<Bounds>,
-    scanned_bounds: Vec<Bounds>,
 }
 
 impl GroupReads {
@@ -306,74 +270,7 @@ impl GroupReads {
     /// and `pool` pool keys, of `n_gqa` heads.
     pub fn reset(&mut self, keys: usize, pool: usize, n_gqa: usize) {
         self.scores.reset(keys, n_gqa);
-        // A pool of `pool` keys spans at most this many pages.
-        self.refined.reset(pool.div_ceil(PAGE) + 1, n_gqa * PAGE);
         self.exponentials.reset(pool, 1);
-    }
-
-    /// Refines every row of `page`, unless done, for every head of the
-    /// group in one pass over its codes; returns the bytes read.
-    fn refine_page(&mut self, scan: &GroupScan, rows: HeadRows, page: usize) -> usize {
-        if self.refined.get(page - scan.pool.start / PAGE).is_some() {
-            return 0;
-        }
-        match (scan.prepared(page), rows.cache.sketch(rows.head, page)) {
-            (Some(_), Some(sketch)) => self.refine_page_now(scan, sketch, page),
-            _ => 0,
-        }
-    }
-
-    /// Refines every row of `page`, whose sketch is `sketch` and whose
-    /// queries `scan` has prepared, for every head of the group: the bounds
-    /// into `refine_bounds`, the scan's own into `scanned_bounds`
-    /// (`[head][row]`), the refined upper bounds kept. Returns the bytes
-    /// read.
-    fn refine_page_now(&mut self, scan: &GroupScan, sketch: &KeySketch, page: usize) -> usize {
-        let prepared = scan.prepared(page).expect("a prepared page");
-        self.refine_bounds.resize(scan.n_gqa * PAGE, Bounds::default());
-        self.scanned_bounds.resize(scan.n_gqa * PAGE, Bounds::default());
-        sketch.refine_page_heads(prepared, &mut self.refine_dots, &mut self.refine_bounds, &mut self.scanned_bounds);
-        for (upper, bounds) in self.refined.set(page - scan.pool.start / PAGE).iter_mut().zip(&self.refine_bounds) {
-            *upper = scan.scorer.upper(bounds.upper);
-        }
-        PAGE * sketch.refinement_bytes()
-    }
-
-    /// Query head `g`'s refined upper bound on pool key `i`'s score, if its
-    /// page is refined.
-    fn refined(&self, scan: &GroupScan, g: usize, i: usize) -> Option<f32> {
-        let pos = scan.pool.start + i;
-        let page = self.refined.get(pos / PAGE - scan.pool.start / PAGE)?;
-        Some(page[g * PAGE + pos % PAGE])
-    }
-
-    /// Refines every page of the pool holding a key whose scanned bound
-    /// reaches `thresholds[g]` for some head `g` of the group, and tightens
-    /// the scan's bounds with the refined ones: the keys the levels down to
-    /// the thresholds will want refined, a page per kernel call rather than
-    /// a call per page, head and level. Returns the bytes read and the
-    /// pages refined.
-    pub fn refine_ahead(&mut self, scan: &mut GroupScan, rows: HeadRows, thresholds: &[f32]) -> (usize, usize) {
-        if !scan.refines || scan.pool.is_empty() {
-            return (0, 0);
-        }
-        let wanted: Vec<usize> = scan.pages_reaching(thresholds).collect();
-        let mut bytes = 0;
-        for &page in &wanted {
-            bytes += self.refine_page(scan, rows, page);
-            let Some(refined) = self.refined.get(page - scan.pool.start / PAGE) else { continue };
-            let keys = scan.page_keys(page);
-            let first_row = (scan.pool.start + keys.start) % PAGE;
-            let pool = scan.pool.len();
-            for (g, refined) in refined.chunks_exact(PAGE).enumerate() {
-                let perturbed = &mut scan.perturbed[g * pool..][keys.clone()];
-                let exponentials = &scan.exponential_uppers[keys.clone()];
-                for ((p, &upper), &e) in perturbed.iter_mut().zip(&refined[first_row..]).zip(exponentials) {
-                    *p = p.min(perturbed_upper(upper, e));
-                }
-            }
-        }
-        (bytes, wanted.len())
     }
 
     /// The largest of query head `g`'s exact-set scores, once read.
@@ -525,20 +422,6 @@ impl<'a> CacheHead<'a> {
             }
         }
     }
-
-    /// Refines the pages holding the pool keys of `indices` (ascending)
-    /// that no head has refined, for every head of the group.
-    fn read_refinements(&mut self, indices: &[u32]) {
-        let start = self.split.pool.start;
-        let mut last = None;
-        for &i in indices {
-            let page = (start + i as usize) / PAGE;
-            if last != Some(page) {
-                self.bytes.keys += self.reads.refine_page(self.scan, self.rows, page);
-                last = Some(page);
-            }
-        }
-    }
 }
 
 impl HeadKeys for CacheHead<'_> {
@@ -581,14 +464,11 @@ impl HeadKeys for CacheHead<'_> {
         self.scan.refines
     }
 
+    /// The scan has refined every key it could: these are its bounds.
     fn refine(&mut self, indices: &[u32], out: &mut [f64]) {
-        self.read_refinements(indices);
+        let uppers = self.scan.perturbed_uppers(self.g);
         for (o, &i) in out.iter_mut().zip(indices) {
-            let i = i as usize;
-            *o = match self.reads.refined(self.scan, self.g, i) {
-                Some(upper) => f64::from(perturbed_upper(upper, self.scan.exponential_uppers[i])),
-                None => f64::INFINITY,
-            };
+            *o = f64::from(uppers[i as usize]);
         }
     }
 

@@ -19,12 +19,10 @@
 use rayon::prelude::*;
 
 use super::candidates::{CacheHead, GroupReads, GroupScan};
-use super::head::{f32_down, HeadAttention, HeadKeys, HeadRecord as Driven, Params, Stop};
+use super::head::{HeadAttention, HeadKeys, HeadRecord as Driven, Params, Stop};
 use super::perturb::{PerturbationSeed, Perturbations};
 use crate::attn::dense::Dense;
-use crate::attn::read::HeadRows;
 use crate::attn::{worth_sparse, AttentionKind, AttentionPolicy, Certificate, Estimate, HeadRecord, LayerCall, Split};
-use crate::kv::PAGE;
 
 /// Certified sparse attention on decoding steps, dense elsewhere.
 pub struct CertifiedPolicy {
@@ -41,21 +39,6 @@ struct Group {
     scan: GroupScan,
     reads: GroupReads,
     records: Vec<HeadRecord>,
-    /// Per layer: how the next call refines ahead.
-    ahead: Vec<Ahead>,
-    thresholds: Vec<f32>,
-}
-
-/// How a layer's next call refines ahead of its levels.
-#[derive(Clone, Copy)]
-struct Ahead {
-    /// The level down to which it refines: one below the deepest level the
-    /// group's heads stopped at in the layer's last call (at first, the
-    /// last level).
-    level: usize,
-    /// Whether it refines every page as it scans it: half the pages or
-    /// more reached that level in the last call.
-    every_page: bool,
 }
 
 impl CertifiedPolicy {
@@ -85,55 +68,25 @@ impl Group {
         let split = Split::of(call.visible(0));
         self.records.clear();
         let perturbations = Perturbations::new(seed, call.layer, kv_head, call.step);
-        self.scan.start(call, kv_head, &split, &perturbations);
+        self.scan.scan(call, kv_head, &split, &perturbations);
         self.reads.reset(self.scan.keys(&split), split.pool.len(), n_gqa);
-        // The exact set's scores give each head its shift, and with the
-        // level reached last time, the keys worth refining in one pass.
-        let grid = self.heads.params().grid;
-        let layer = call.layer;
-        if self.ahead.len() <= layer {
-            self.ahead.resize(layer + 1, Ahead { level: grid.last, every_page: false });
-        }
-        let mut shared = {
+        // The exact set's scores, read once for the group's heads.
+        let exact = {
             let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, 0, &mut self.reads);
             if keys.exact_len() > 0 {
                 keys.exact_score(0);
             }
             keys.bytes.keys
         };
-        let exact = split.sinks.len() + split.window.len();
-        let every_page = self.ahead[layer].every_page;
-        shared += self.scan.scan_pages(call, kv_head, every_page.then_some(&mut self.reads));
-        let log_tau = grid.log_threshold(self.ahead[layer].level);
-        self.thresholds.clear();
-        self.thresholds.extend((0..n_gqa).map(|g| {
-            let c = self.reads.exact_max(g, exact).max(self.scan.lower_max(g));
-            f32_down(c + log_tau - 1e-9 * (1.0 + c.abs()))
-        }));
-        // Where most pages are refined ahead, the next call refines every
-        // page as it scans it.
-        let reaching = if every_page {
-            self.scan.pages_reaching(&self.thresholds).count()
-        } else {
-            let (bytes, refined) =
-                self.reads.refine_ahead(&mut self.scan, HeadRows::new(call, kv_head), &self.thresholds);
-            shared += bytes;
-            refined
-        };
-        let pages = split.pool.end.div_ceil(PAGE) - split.pool.start / PAGE;
-        self.ahead[layer].every_page = 2 * reaching >= pages;
-        let shared = (self.scan.scanned_bytes + shared) as f64 / n_gqa as f64;
-        let mut deepest = 0;
+        let shared = (self.scan.scanned_bytes + exact) as f64 / n_gqa as f64;
         for (g, out) in out.chunks_exact_mut(dim_v).enumerate() {
             let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, g, &mut self.reads);
             let driven = self.heads.attend(&mut keys, Stop::Certified, out);
-            deepest = deepest.max(driven.level.unwrap_or(grid.last));
             let read = keys.bytes.keys + keys.bytes.values;
             let mut record = record(certificate, call, kv_head * n_gqa + g, &split, &driven, read);
             record.bytes_read += shared;
             self.records.push(record);
         }
-        self.ahead[layer].level = (deepest + 1).min(grid.last);
     }
 }
 
@@ -185,8 +138,6 @@ impl AttentionPolicy for CertifiedPolicy {
             scan: GroupScan::default(),
             reads: GroupReads::default(),
             records: Vec::new(),
-            ahead: Vec::new(),
-            thresholds: Vec::new(),
         });
         let (certificate, seed) = (&self.certificate, self.seed);
         let group_len = batch.n_gqa * batch.head_dim_v;
