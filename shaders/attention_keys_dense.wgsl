@@ -22,14 +22,15 @@ fn key_span(kv_head: u32, t_first: u32, t_last: u32) -> Span {
 }
 
 // The span's entries e0 .. e0 + n, for a tile of n dividing 64 (e0 a
-// multiple of n): `count` consecutive positions from `first`.
+// multiple of n): `count` consecutive positions from `first` (none past the
+// span's end).
 struct Tile {
     first: u32,
     count: u32,
 }
 
 fn tile_at(span: Span, e0: u32) -> Tile {
-    return Tile(span.begin + e0, span.len - e0);
+    return Tile(span.begin + e0, select(0u, span.len - e0, e0 < span.len));
 }
 
 // The position of the tile's entry i; entries past the span's end read as

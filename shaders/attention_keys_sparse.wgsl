@@ -44,7 +44,7 @@ fn key_span(kv_head: u32, t_first: u32, t_last: u32) -> Span {
 // The span's entries e0 .. e0 + n, for a tile of n dividing 64 (e0 a
 // multiple of n): in a listed block, `count` consecutive positions from
 // `first`; among the single positions, `count` of them from the column list's
-// entry `first`.
+// entry `first` (none past the span's end).
 struct Tile {
     first: u32,
     count: u32,
@@ -57,7 +57,7 @@ fn tile_at(span: Span, e0: u32) -> Tile {
         let block = block_list[span.block0 + e0 / INDEX_BLOCK];
         return Tile(block * INDEX_BLOCK + e0 % INDEX_BLOCK, INDEX_BLOCK - e0 % INDEX_BLOCK, false);
     }
-    return Tile(span.column0 + e0 - in_blocks, span.len - e0, true);
+    return Tile(span.column0 + e0 - in_blocks, select(0u, span.len - e0, e0 < span.len), true);
 }
 
 fn tile_key(tile: Tile, i: u32) -> u32 {
