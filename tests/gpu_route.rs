@@ -375,18 +375,7 @@ fn routed_prefill_of_a_short_prompt_gives_logits_close_to_dense() {
     let mut sparse = 0;
     for layer in &report.layers {
         for h in &layer.heads {
-            eprintln!(
-                "layer {} kv head {}: {} {:?} density {:.3} m̂ {:.4} u {:.4} fallback {} {:?}",
-                layer.layer,
-                h.kv_head,
-                h.pattern,
-                h.budget,
-                h.density,
-                h.mass_estimate,
-                h.disagreement,
-                h.fallback,
-                h.audit
-            );
+            eprintln!("layer {} {h}", layer.layer);
             if h.pattern != "dense" {
                 sparse += 1;
                 assert!(h.density < 1.0 && h.mass_lower >= ROUTED_TAU, "{h:?}");
@@ -592,18 +581,7 @@ fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
             let (routed_ppl, report) = (routed_nll.exp(), report.unwrap());
             for layer in &report.layers {
                 for h in &layer.heads {
-                    eprintln!(
-                        "{book} τ {tau} budget {budget} layer {} kv head {}: {} {:?} density {:.3} m̂ {:.4} m̲ {:.4} fallback {} {:?}",
-                        layer.layer,
-                        h.kv_head,
-                        h.pattern,
-                        h.budget,
-                        h.density,
-                        h.mass_estimate,
-                        h.mass_lower,
-                        h.fallback,
-                        h.audit
-                    );
+                    eprintln!("{book} τ {tau} budget {budget} layer {} {h}", layer.layer);
                     let weighed: Vec<String> = h
                         .candidates
                         .iter()

@@ -13,6 +13,8 @@
 //! Times are GPU milliseconds from timestamp queries where the adapter has
 //! them, wall-clock milliseconds otherwise; routing runs on the CPU.
 
+use std::fmt;
+
 use serde::Serialize;
 
 /// The whole prompt's prefill.
@@ -145,6 +147,33 @@ pub struct HeadReport {
     pub audit: Option<HeadAudit>,
     /// Every candidate the router weighed for the head, the chosen one included.
     pub candidates: Vec<CandidateReport>,
+}
+
+/// One line: the choice, its evidence, and the audit where there is one.
+impl fmt::Display for HeadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "kv head {}: {} {:?} density {:.3} m̂ {:.4} m̲ {:.4} u {:.4} fallback {} certificate {:.2e}",
+            self.kv_head,
+            self.pattern,
+            self.budget,
+            self.density,
+            self.mass_estimate,
+            self.mass_lower,
+            self.disagreement,
+            self.fallback,
+            self.certificate
+        )?;
+        if let Some(a) = &self.audit {
+            write!(
+                f,
+                " true m {:.4} rel. error {:.2e} mean row error {:.2e} covered {}",
+                a.true_mass, a.relative_error, a.mean_row_error, a.covered
+            )?;
+        }
+        Ok(())
+    }
 }
 
 /// One candidate (pattern and budget) for one KV head, as the router saw it.
