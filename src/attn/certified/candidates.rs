@@ -158,6 +158,9 @@ impl GroupScan {
         self.refined_bounds.resize(n_gqa * PAGE, RefinedBounds::default());
         for cover in cache.key_cover(kv_head, split_pool.clone()) {
             let KeyCover::Sketched { page, sketch, rows } = cover else { continue };
+            if let Some(next) = cache.sketch(kv_head, page + 1) {
+                next.prefetch();
+            }
             sketch.affine_f32(&mut self.affine);
             for (prepared, q) in self.prepared.iter_mut().zip(self.queries.chunks_exact(dim)) {
                 prepared.prepare_with(sketch, q, &self.affine);
