@@ -497,110 +497,6 @@ unsafe fn prepare_avx2(
     (scales, reduce_prepare(&halves))
 }
 
-/// `Kernels::sketch_prepare` in zmm registers for the AVX-512 table: sixteen
-/// channels a vector, channel `c` in lane `c mod 16` as on every table, the
-/// lanes of a row's last vector past its end left untouched (the portable
-/// table adds nothing there), every operation [`prepare_avx2`]'s, so the
-/// bits are the same at half the instructions.
-///
-/// # Safety
-/// The CPU must support AVX-512F and BW; the lengths are equal.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-unsafe fn prepare_avx512(
-    q: &[f32],
-    min: &[f32],
-    step: &[f32],
-    weights: &mut [i8],
-    residuals: &mut [i8],
-) -> (PrepareScales, PrepareSums) {
-    let n = q.len();
-    let mask_of = |c: usize| -> __mmask16 {
-        if n - c >= 16 {
-            0xffff
-        } else {
-            (1u16 << (n - c)) - 1
-        }
-    };
-    // SAFETY: AVX-512F is enabled in this function; a masked load reads
-    // only the lanes within the slice.
-    let load = |x: &[f32], c: usize| unsafe { _mm512_maskz_loadu_ps(mask_of(c), x[c..].as_ptr()) };
-    let mut most = _mm512_setzero_ps();
-    for c in (0..n).step_by(16) {
-        most = _mm512_max_ps(_mm512_abs_ps(_mm512_mul_ps(load(q, c), load(step, c))), most);
-    }
-    let lanes: [f32; 16] = bytemuck::cast(most);
-    let a_max = lanes.iter().fold(0.0f32, |m, &a| if a > m { a } else { m });
-    let scales = PrepareScales::of(a_max);
-    let splat = _mm512_set1_ps;
-    let (alpha, alpha2) = (splat(scales.alpha), splat(scales.alpha2));
-    let (inverse, inverse2) = (splat(scales.inverse()), splat(scales.inverse2()));
-    let (sign, zero, top_code) = (splat(-0.0), _mm512_setzero_ps(), splat(255.0));
-    let (round, high, low) = (splat(ROUND), splat(127.0), splat(-127.0));
-    let rounded127 = |x: __m512| _mm512_max_ps(_mm512_min_ps(_mm512_sub_ps(_mm512_add_ps(x, round), round), high), low);
-    // The sign bit cleared or flipped, in integer lanes (AVX-512F has no
-    // float logic without DQ).
-    let sign_bit = _mm512_castps_si512(sign);
-    let abs = |x: __m512| _mm512_castsi512_ps(_mm512_andnot_si512(sign_bit, _mm512_castps_si512(x)));
-    let negated = |x: __m512| _mm512_castsi512_ps(_mm512_xor_si512(sign_bit, _mm512_castps_si512(x)));
-    let mut acc = [_mm512_setzero_ps(); 12];
-    for c in (0..n).step_by(16) {
-        let mask = mask_of(c);
-        let (qv, minv, stepv) = (load(q, c), load(min, c), load(step, c));
-        let a = _mm512_mul_ps(qv, stepv);
-        let w = rounded127(_mm512_mul_ps(a, inverse));
-        let aw = _mm512_mul_ps(alpha, w);
-        let delta = _mm512_sub_ps(a, aw);
-        let r = rounded127(_mm512_mul_ps(delta, inverse2));
-        let residual = _mm512_sub_ps(delta, _mm512_mul_ps(alpha2, r));
-        let centre = _mm512_mul_ps(qv, minv);
-        let terms = [
-            centre,
-            a,
-            abs(a),
-            _mm512_max_ps(delta, zero),
-            _mm512_max_ps(negated(delta), zero),
-            _mm512_max_ps(residual, zero),
-            _mm512_max_ps(negated(residual), zero),
-            abs(centre),
-            _mm512_add_ps(abs(a), abs(aw)),
-            _mm512_mul_ps(abs(qv), _mm512_add_ps(abs(minv), _mm512_mul_ps(top_code, stepv))),
-            abs(w),
-            abs(r),
-        ];
-        for (acc, term) in acc.iter_mut().zip(terms) {
-            *acc = _mm512_mask_add_ps(*acc, mask, *acc, term);
-        }
-        // Integers within ±127: exact as i32, and as bytes after truncation.
-        let (w, r): ([i8; 16], [i8; 16]) = (
-            bytemuck::cast(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(w))),
-            bytemuck::cast(_mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r))),
-        );
-        let len = (n - c).min(16);
-        weights[c..c + len].copy_from_slice(&w[..len]);
-        residuals[c..c + len].copy_from_slice(&r[..len]);
-    }
-    let halves = acc.map(|v| {
-        let [low, high]: [__m256; 2] = bytemuck::cast(v);
-        bytemuck::cast::<__m256, [f32; 8]>(_mm256_add_ps(low, high))
-    });
-    (scales, reduce_prepare(&halves))
-}
-
-/// Table entry over [`prepare_avx512`].
-///
-/// # Safety
-/// As [`prepare_avx512`].
-unsafe fn prepare_entry_avx512(
-    q: &[f32],
-    min: &[f32],
-    step: &[f32],
-    weights: &mut [i8],
-    residuals: &mut [i8],
-) -> (PrepareScales, PrepareSums) {
-    // SAFETY: passed on.
-    unsafe { prepare_avx512(q, min, step, weights, residuals) }
-}
-
 /// Table entry over [`prepare_avx2`].
 ///
 /// # Safety
@@ -661,5 +557,5 @@ pub(super) const AVX512: SketchKernels = SketchKernels {
     bounds: avx512::bounds,
     refine_page: avx512::refine_page,
     select: select_avx512,
-    prepare: prepare_entry_avx512,
+    prepare: prepare_entry,
 };
