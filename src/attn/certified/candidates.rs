@@ -61,6 +61,7 @@ use std::ops::Range;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
 
 use super::head::HeadKeys;
 use super::perturb::Perturbations;
@@ -81,11 +82,8 @@ pub struct GroupScan {
     /// How a dot product becomes a score (scale, and soft-cap where the
     /// model caps).
     scorer: Scorer,
-    /// The group's queries prepared for the page being scanned.
-    prepared: Vec<ScanQuery>,
-    affine: Vec<f32>,
-    page_bounds: Vec<Bounds>,
-    refined_bounds: Vec<RefinedBounds>,
+    /// The pool's pages split into stretches, one per thread that scans.
+    stretches: Vec<Stretch>,
     /// `[head][pool key]`: `p_i ≥ s_i + E_i`.
     perturbed: Vec<f32>,
     /// Per head: the largest lower bound of a pool key's score.
@@ -130,7 +128,6 @@ impl GroupScan {
         self.perturbed.resize(n_gqa * pool, f32::INFINITY);
         self.lower_max.clear();
         self.lower_max.resize(n_gqa, f64::NEG_INFINITY);
-        self.page_bounds.resize(n_gqa * PAGE, Bounds { lower: 0.0, upper: 0.0 });
         self.scanned_bytes = 0;
         self.value_norm_max = 0.0;
         self.refines = false;
@@ -145,53 +142,54 @@ impl GroupScan {
     }
 
     /// Scans the sketched pages of the pool, refining those whose sketch
-    /// keeps 8-bit codes in the same pass.
+    /// keeps 8-bit codes in the same pass. Where the group's share of the
+    /// threads is more than one (a model with fewer KV heads than threads),
+    /// the pages are split into as many stretches, scanned in parallel: the
+    /// bounds are those of one thread, bit for bit, each page's being its own.
     fn scan_pages(&mut self, call: &LayerCall, kv_head: usize) {
-        let cache = call.cache;
-        let (n_gqa, dim) = (self.n_gqa, call.batch.head_dim_k);
-        let (split_pool, pool) = (self.pool.clone(), self.pool.len());
-        if split_pool.is_empty() {
+        /// The fewest pages worth a thread of their own.
+        const MIN_PAGES: usize = 16;
+        let pool = self.pool.clone();
+        if pool.is_empty() {
             return;
         }
-        self.prepared.resize_with(n_gqa, ScanQuery::default);
-        self.page_bounds.resize(n_gqa * PAGE, Bounds::default());
-        self.refined_bounds.resize(n_gqa * PAGE, RefinedBounds::default());
-        for cover in cache.key_cover(kv_head, split_pool.clone()) {
-            let KeyCover::Sketched { page, sketch, rows } = cover else { continue };
-            sketch.affine_f32(&mut self.affine);
-            for (prepared, q) in self.prepared.iter_mut().zip(self.queries.chunks_exact(dim)) {
-                prepared.prepare_with(sketch, q, &self.affine);
-            }
-            let refines = sketch.refines();
-            self.refines |= refines;
-            if refines {
-                sketch.refine_page(&self.prepared, &mut self.refined_bounds);
-                self.scanned_bytes += dim * std::mem::size_of::<Affine>() + PAGE * sketch.refinement_bytes();
-            } else {
-                sketch.scan_heads(&self.prepared, &mut self.page_bounds);
-                self.scanned_bytes += scan_bytes(cache.mode(), dim);
-            }
-            let first = page * PAGE + rows.start - split_pool.start;
-            let exponentials = &self.exponential_uppers[first..][..rows.len()];
-            for h in 0..n_gqa {
-                let perturbed = &mut self.perturbed[h * pool + first..][..rows.len()];
-                let rows = h * PAGE + rows.start..h * PAGE + rows.end;
-                let lower = if refines {
-                    let bounds = &self.refined_bounds[rows];
-                    for ((p, b), &e) in perturbed.iter_mut().zip(bounds).zip(exponentials) {
-                        *p = perturbed_upper(self.scorer.upper(b.refined.upper), e);
-                    }
-                    bounds.iter().fold(f32::NEG_INFINITY, |m, b| m.max(b.scanned.lower))
-                } else {
-                    let bounds = &self.page_bounds[rows];
-                    for ((p, b), &e) in perturbed.iter_mut().zip(bounds).zip(exponentials) {
-                        *p = perturbed_upper(self.scorer.upper(b.upper), e);
-                    }
-                    bounds.iter().fold(f32::NEG_INFINITY, |m, b| m.max(b.lower))
-                };
-                self.lower_max[h] = self.lower_max[h].max(self.scorer.bounds(lower, lower).0);
-            }
+        let (first_page, last_page) = (pool.start / PAGE, pool.end.div_ceil(PAGE));
+        let pages = last_page - first_page;
+        let share = rayon::current_num_threads().div_ceil(call.batch.n_kv_head());
+        let n = share.min(pages / MIN_PAGES).max(1);
+        let mut stretches = std::mem::take(&mut self.stretches);
+        stretches.resize_with(n, Stretch::default);
+        let this = &*self;
+        let positions = |k: usize| {
+            let (from, to) = (first_page + pages * k / n, first_page + pages * (k + 1) / n);
+            (from * PAGE).max(pool.start)..(to * PAGE).min(pool.end)
+        };
+        if n == 1 {
+            stretches[0].scan(this, call, kv_head, pool.clone());
+        } else {
+            stretches
+                .par_iter_mut()
+                .enumerate()
+                .for_each(|(k, stretch)| stretch.scan(this, call, kv_head, positions(k)));
         }
+        let (n_gqa, len) = (self.n_gqa, pool.len());
+        for (k, stretch) in stretches.iter_mut().enumerate() {
+            let keys = positions(k);
+            if n == 1 {
+                std::mem::swap(&mut self.perturbed, &mut stretch.perturbed);
+            } else {
+                for (h, perturbed) in stretch.perturbed.chunks_exact(keys.len()).enumerate() {
+                    self.perturbed[h * len + keys.start - pool.start..][..keys.len()].copy_from_slice(perturbed);
+                }
+            }
+            for (max, &lower) in self.lower_max.iter_mut().zip(&stretch.lower_max) {
+                *max = max.max(lower);
+            }
+            self.scanned_bytes += stretch.bytes;
+            self.refines |= stretch.refines;
+        }
+        debug_assert_eq!(self.perturbed.len(), n_gqa * len);
+        self.stretches = stretches;
     }
 
     /// Query head `g` of the group, rounded to f16.
@@ -213,6 +211,82 @@ impl GroupScan {
     /// Query head `g`'s largest lower bound on a pool key's score.
     pub fn lower_max(&self, g: usize) -> f64 {
         self.lower_max[g]
+    }
+}
+
+/// One stretch of the pool's pages, as one thread scans it for the group:
+/// its buffers, and its part of the scan's results.
+#[derive(Default)]
+struct Stretch {
+    /// The group's queries prepared for the page being scanned.
+    prepared: Vec<ScanQuery>,
+    affine: Vec<f32>,
+    page_bounds: Vec<Bounds>,
+    refined_bounds: Vec<RefinedBounds>,
+    /// `[head][key of the stretch]`: `p_i ≥ s_i + E_i`.
+    perturbed: Vec<f32>,
+    /// Per head: the largest lower bound of a key's score in the stretch.
+    lower_max: Vec<f64>,
+    /// Sketch bytes read.
+    bytes: usize,
+    refines: bool,
+}
+
+impl Stretch {
+    /// Scans the sketched pages of `positions` (a stretch of the pool of
+    /// `kv_head`, page-aligned but for the pool's ends) for the queries of
+    /// `group`.
+    fn scan(&mut self, group: &GroupScan, call: &LayerCall, kv_head: usize, positions: Range<usize>) {
+        let cache = call.cache;
+        let (n_gqa, dim, len) = (group.n_gqa, call.batch.head_dim_k, positions.len());
+        let scorer = group.scorer;
+        self.perturbed.clear();
+        self.perturbed.resize(n_gqa * len, f32::INFINITY);
+        self.lower_max.clear();
+        self.lower_max.resize(n_gqa, f64::NEG_INFINITY);
+        (self.bytes, self.refines) = (0, false);
+        self.prepared.resize_with(n_gqa, ScanQuery::default);
+        self.page_bounds.resize(n_gqa * PAGE, Bounds::default());
+        self.refined_bounds.resize(n_gqa * PAGE, RefinedBounds::default());
+        for cover in cache.key_cover(kv_head, positions.clone()) {
+            let KeyCover::Sketched { page, sketch, rows } = cover else { continue };
+            if let Some(next) = cache.sketch(kv_head, page + 1) {
+                next.prefetch();
+            }
+            sketch.affine_f32(&mut self.affine);
+            for (prepared, q) in self.prepared.iter_mut().zip(group.queries.chunks_exact(dim)) {
+                prepared.prepare_with(sketch, q, &self.affine);
+            }
+            let refines = sketch.refines();
+            self.refines |= refines;
+            if refines {
+                sketch.refine_page(&self.prepared, &mut self.refined_bounds);
+                self.bytes += dim * std::mem::size_of::<Affine>() + PAGE * sketch.refinement_bytes();
+            } else {
+                sketch.scan_heads(&self.prepared, &mut self.page_bounds);
+                self.bytes += scan_bytes(cache.mode(), dim);
+            }
+            let first = page * PAGE + rows.start - positions.start;
+            let exponentials = &group.exponential_uppers[page * PAGE + rows.start - group.pool.start..][..rows.len()];
+            for h in 0..n_gqa {
+                let perturbed = &mut self.perturbed[h * len + first..][..rows.len()];
+                let rows = h * PAGE + rows.start..h * PAGE + rows.end;
+                let lower = if refines {
+                    let bounds = &self.refined_bounds[rows];
+                    for ((p, b), &e) in perturbed.iter_mut().zip(bounds).zip(exponentials) {
+                        *p = perturbed_upper(scorer.upper(b.refined.upper), e);
+                    }
+                    bounds.iter().fold(f32::NEG_INFINITY, |m, b| m.max(b.scanned.lower))
+                } else {
+                    let bounds = &self.page_bounds[rows];
+                    for ((p, b), &e) in perturbed.iter_mut().zip(bounds).zip(exponentials) {
+                        *p = perturbed_upper(scorer.upper(b.upper), e);
+                    }
+                    bounds.iter().fold(f32::NEG_INFINITY, |m, b| m.max(b.lower))
+                };
+                self.lower_max[h] = self.lower_max[h].max(scorer.bounds(lower, lower).0);
+            }
+        }
     }
 }
 
