@@ -155,7 +155,7 @@ fn a_page_refined_whole_bounds_as_the_scan_and_the_listed_refinement() {
                 sketch.scan_heads(&prepared, &mut scanned);
                 sketch.refine_heads(&prepared, &all, &mut Vec::new(), &mut listed);
                 let (mut whole, mut whole_scanned) = (vec![Bounds::default(); len], vec![Bounds::default(); len]);
-                sketch.refine_page_heads(&prepared, &mut Vec::new(), &mut whole, &mut whole_scanned);
+                sketch.refine_page_heads(&prepared, &mut whole, &mut whole_scanned);
                 assert_eq!(bits(&whole_scanned), bits(&scanned), "{mode} head {kv_head} page {page}: scanned");
                 assert_eq!(bits(&whole), bits(&listed), "{mode} head {kv_head} page {page}: refined");
                 pages += 1;

@@ -317,15 +317,8 @@ impl KeySketch {
     /// [`Self::refine_heads`] of every key of the page, `out[h·PAGE + i]`:
     /// the rows read in order, as a scan reads them. `scanned` gets the
     /// scan's own bounds ([`Self::scan_heads`]'s, the same bits), which the
-    /// refinement computes on the way. (The scratch `_dots` of the listed
-    /// refinement is not needed here.)
-    pub fn refine_page_heads(
-        &self,
-        queries: &[ScanQuery],
-        _dots: &mut Vec<i32>,
-        out: &mut [Bounds],
-        scanned: &mut [Bounds],
-    ) {
+    /// refinement computes on the way.
+    pub fn refine_page_heads(&self, queries: &[ScanQuery], out: &mut [Bounds], scanned: &mut [Bounds]) {
         assert!(out.len() == queries.len() * PAGE && scanned.len() == out.len(), "a page of bounds per query");
         if !self.refines() {
             self.scan_heads(queries, scanned);
