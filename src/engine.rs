@@ -310,7 +310,8 @@ impl<'m> Session<'m> {
     pub fn decode_hidden(&mut self, token: u32) -> Result<&[f32], EngineError> {
         self.check(&[token])?;
         self.records.clear();
-        threads::on_pool(|| self.forward(&[token], Outputs::Last))?;
+        threads::on_pool(|| self.forward_on_cpu(&[token], Outputs::Last))?;
+        self.n_past += 1;
         self.steps += 1;
         if self.rectify.every > 0 {
             self.pending.push(token);
@@ -381,22 +382,25 @@ impl<'m> Session<'m> {
         Ok(&self.hidden)
     }
 
-    /// Runs `tokens` on the backend that takes them, appending to the cache
-    /// and, on the CPU, to the records.
+    /// Runs prompt `tokens` on the backend that takes them, appending to the
+    /// cache and, on the CPU, to the records.
     fn forward(&mut self, tokens: &[u32], outputs: Outputs) -> Result<(), EngineError> {
         let (pos0, n) = (self.n_past, tokens.len());
-        let backend = self.prefill_backend.as_deref_mut().and_then(|b| b.takes(pos0, n).then_some(b));
-        match backend {
+        match self.prefill_backend.as_deref_mut().and_then(|b| b.takes(pos0, n).then_some(b)) {
             Some(backend) => backend.prefill(tokens, pos0, &mut self.cache, outputs, &mut self.hidden)?,
-            None => {
-                let attention = Attention { policy: &mut *self.policy, step: self.steps, records: &mut self.records };
-                let mut cpu =
-                    CpuPrefill { model: self.model, scratch: &mut self.scratch, attention, batch: self.batch };
-                cpu.prefill(tokens, pos0, &mut self.cache, outputs, &mut self.hidden)?;
-            }
+            None => self.forward_on_cpu(tokens, outputs)?,
         }
         self.n_past += n;
         Ok(())
+    }
+
+    /// The forward pass of `tokens` on the CPU under the session's policy
+    /// (every decoding step's, whatever prefills the prompts); the caller
+    /// advances the position.
+    fn forward_on_cpu(&mut self, tokens: &[u32], outputs: Outputs) -> Result<(), EngineError> {
+        let attention = Attention { policy: &mut *self.policy, step: self.steps, records: &mut self.records };
+        let mut cpu = CpuPrefill { model: self.model, scratch: &mut self.scratch, attention, batch: self.batch };
+        cpu.prefill(tokens, self.n_past, &mut self.cache, outputs, &mut self.hidden)
     }
 
     fn check(&self, tokens: &[u32]) -> Result<(), EngineError> {

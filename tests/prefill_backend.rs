@@ -1,0 +1,73 @@
+//! The engine's prefill seam: a backend takes the prompts it says it takes,
+//! and decoding steps stay on the CPU under the session's attention policy,
+//! even when the backend would take a single token.
+
+mod common;
+
+use sift::attn::dense::Dense;
+use sift::attn::HeadRecord;
+use sift::engine::{CpuPrefill, EngineError, PrefillBackend, Session};
+use sift::gguf::GgufFile;
+use sift::kv::KvCache;
+use sift::model::{Attention, Model, Outputs, Scratch};
+use sift::sample::argmax;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+/// A backend that takes every call, however short, runs it densely on the
+/// CPU, and counts the tokens it was given.
+struct Counting<'m> {
+    model: &'m Model<'m>,
+    scratch: Scratch,
+    tokens: Arc<AtomicUsize>,
+}
+
+impl PrefillBackend for Counting<'_> {
+    fn takes(&mut self, _pos0: usize, _n: usize) -> bool {
+        true
+    }
+
+    fn prefill(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        cache: &mut KvCache,
+        outputs: Outputs,
+        hidden: &mut Vec<f32>,
+    ) -> Result<(), EngineError> {
+        self.tokens.fetch_add(tokens.len(), Ordering::Relaxed);
+        let mut records: Vec<HeadRecord> = Vec::new();
+        let attention = Attention { policy: &mut Dense, step: 0, records: &mut records };
+        let mut cpu = CpuPrefill { model: self.model, scratch: &mut self.scratch, attention, batch: 512 };
+        cpu.prefill(tokens, pos0, cache, outputs, hidden)
+    }
+}
+
+#[test]
+fn decoding_steps_never_go_to_the_prefill_backend() {
+    let Some(shared) = common::shared_dir("decoding_steps_never_go_to_the_prefill_backend") else { return };
+    let file = GgufFile::open(shared.join("anchors/models/tiny-llama.gguf")).unwrap();
+    let model = Model::load(&file).unwrap();
+    let prompt: Vec<u32> = (1..40).map(|i| (i * 7) % 200 + 3).collect();
+
+    let mut plain = Session::new(&model, 256);
+    let mut backed = Session::new(&model, 256);
+    let taken = Arc::new(AtomicUsize::new(0));
+    backed.set_prefill_backend(Box::new(Counting {
+        model: &model,
+        scratch: Scratch::default(),
+        tokens: taken.clone(),
+    }));
+
+    let mut next = argmax(plain.prefill(&prompt).unwrap()) as u32;
+    assert_eq!(argmax(backed.prefill(&prompt).unwrap()) as u32, next);
+    for _ in 0..8 {
+        let want = plain.decode(next).unwrap().to_vec();
+        let got = backed.decode(next).unwrap().to_vec();
+        assert_eq!(got, want, "a decoding step's logits");
+        // Records come only from the CPU's pass under the session's policy.
+        assert!(!backed.last_records().is_empty(), "a decoding step left no attention records");
+        next = argmax(&want) as u32;
+    }
+    assert_eq!(taken.load(Ordering::Relaxed), prompt.len(), "the backend took the prompt and nothing else");
+}
