@@ -16,6 +16,7 @@
 
 pub mod calibration;
 pub mod candidates;
+pub mod captured;
 pub mod index;
 pub mod probe;
 pub mod profile;
