@@ -70,6 +70,9 @@ pub struct GpuProfileArgs {
     /// --compare: dense fallback when a KV head's lower mass bound is under this
     #[arg(long, default_value_t = 0.95)]
     prefill_tau: f64,
+    /// --compare: m̲ bounds the probe's least-kept recent row too (see `sift run`'s flag)
+    #[arg(long)]
+    prefill_recent_rows: bool,
     /// Instead of profiling, prefill passages of these texts on the GPU and keep each passage's
     /// queries, keys and values at the global layers under --capture-dir
     #[arg(long, value_name = "FILE", num_args = 1.., requires = "capture_dir")]
@@ -139,7 +142,15 @@ pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
         _ => Inputs::Synthetic,
     };
     for &n in &args.compare {
-        compare(&ctx, path, shape, n, &profile, &inputs, (args.prefill_budget, args.prefill_tau))?;
+        compare(
+            &ctx,
+            path,
+            shape,
+            n,
+            &profile,
+            &inputs,
+            (args.prefill_budget, args.prefill_tau, args.prefill_recent_rows),
+        )?;
     }
     Ok(())
 }
@@ -270,7 +281,7 @@ fn compare(
     n: u32,
     profile: &LatencyProfile,
     inputs: &Inputs,
-    (budget, tau): (f64, f64),
+    (budget, tau, recent_rows): (f64, f64, bool),
 ) -> anyhow::Result<()> {
     eprintln!("gpu-profile: comparing at {n} tokens on {}", inputs.describe(false));
     let dense = Attention::new(&ctx.device, path, d, hq / hk)?;
@@ -292,7 +303,7 @@ fn compare(
     let delta = CalibrationFile::from_residuals(&residuals, 0.95, String::new(), vec![], n as usize)
         .map_or(RouteSettings::default().delta, |c| c.delta);
     eprintln!("gpu-profile: δ = {delta:.4} from {} residuals on {}", residuals.len(), inputs.describe(true));
-    let settings = RouteSettings { budget, tau, delta, audit: true, ..RouteSettings::default() };
+    let settings = RouteSettings { budget, tau, recent_rows, delta, audit: true, ..RouteSettings::default() };
     let routed = RoutedAttention::new(ctx, path, (d, hq / hk), settings, Some(profile.clone()))?;
     // A first routed pass warms the buffer pools and pipelines, as dense's
     // first run does; the second is the one reported.
@@ -304,7 +315,7 @@ fn compare(
     report.summarize();
     let routed_ms = report.timing.routed_wall_ms;
     println!(
-        "compare N={n} {hq}/{hk} heads d={d} ({}), τ {tau}, budget {budget}, δ {delta:.4}: dense {dense_ms:.2} ms (GPU timestamps), routed {routed_ms:.2} ms \
+        "compare N={n} {hq}/{hk} heads d={d} ({}), τ {tau}, budget {budget}, recent rows bounded {recent_rows}, δ {delta:.4}: dense {dense_ms:.2} ms (GPU timestamps), routed {routed_ms:.2} ms \
          (wall clock, readbacks included; of it probe {:.2} + index {:.2} GPU, routing {:.2} + lists {:.2} CPU, \
          kernel {:.2} GPU = dense {:.2} + sparse {:.2}): {:.2}x",
         inputs.describe(false),
