@@ -399,13 +399,23 @@ fn routed_prefill_of_a_short_prompt_gives_logits_close_to_dense() {
 
 /// The (τ, budget) settings the GPU quality tests route with: the defaults,
 /// or `SIFT_ROUTE_SETTINGS`, comma-separated `τ:budget` pairs (the seed's
-/// latency–quality curve varies both).
-fn route_settings(defaults: &RouteSettings) -> Vec<(f64, f64)> {
-    let Ok(list) = std::env::var("SIFT_ROUTE_SETTINGS") else { return vec![(defaults.tau, defaults.budget)] };
+/// latency–quality curve varies both), each optionally `:recent` (m̲ bounds
+/// the probe's least-kept recent row too, `RouteSettings::recent_rows`).
+fn route_settings(defaults: &RouteSettings) -> Vec<(f64, f64, bool)> {
+    let Ok(list) = std::env::var("SIFT_ROUTE_SETTINGS") else {
+        return vec![(defaults.tau, defaults.budget, defaults.recent_rows)];
+    };
     list.split(',')
-        .map(|pair| {
-            let (tau, budget) = pair.split_once(':').expect("SIFT_ROUTE_SETTINGS: τ:budget pairs");
-            (tau.trim().parse().expect("τ"), budget.trim().parse().expect("budget"))
+        .map(|setting| {
+            let mut parts = setting.split(':').map(str::trim);
+            let mut number = |what| parts.next().and_then(|p| p.parse().ok()).expect(what);
+            let (tau, budget) = (number("SIFT_ROUTE_SETTINGS: τ"), number("SIFT_ROUTE_SETTINGS: budget"));
+            let recent_rows = match parts.next() {
+                None => false,
+                Some("recent") => true,
+                Some(other) => panic!("SIFT_ROUTE_SETTINGS: '{other}' is not 'recent'"),
+            };
+            (tau, budget, recent_rows)
         })
         .collect()
 }
@@ -468,10 +478,10 @@ fn routed_prefill_finds_the_needle_whenever_dense_does() {
             (json["text"].as_str().unwrap().to_string(), json["prompt_tokens"].as_u64().unwrap())
         };
         let (dense, tokens) = answer(&["--prefill-attn", "dense"]);
-        for &(tau, budget) in &sweep {
+        for &(tau, budget, recent_rows) in &sweep {
             let (tau_arg, budget_arg) = (tau.to_string(), budget.to_string());
             let report = cache.join("needle-report.json");
-            let routed = answer(&[
+            let mut args = vec![
                 "--prefill-attn",
                 "routed",
                 "--prefill-tau",
@@ -480,8 +490,11 @@ fn routed_prefill_finds_the_needle_whenever_dense_does() {
                 &budget_arg,
                 "--prefill-report",
                 report.to_str().unwrap(),
-            ])
-            .0;
+            ];
+            if recent_rows {
+                args.push("--prefill-recent-rows");
+            }
+            let routed = answer(&args).0;
             let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
             let chosen: Vec<String> = report["layers"]
                 .as_array()
@@ -496,18 +509,21 @@ fn routed_prefill_finds_the_needle_whenever_dense_does() {
                 })
                 .collect();
             eprintln!(
-                "depth {depth}, τ {tau} budget {budget}: {tokens} tokens; dense {dense:?}, routed {routed:?} ({})",
+                "depth {depth}, τ {tau} budget {budget} recent rows {recent_rows}: {tokens} tokens; dense {dense:?}, routed {routed:?} ({})",
                 chosen.join(", ")
             );
             if dense.contains(number) && !routed.contains(number) {
-                failures.push((depth, tau, budget));
+                failures.push((depth, tau, budget, recent_rows));
             }
         }
     }
     if given.is_none() {
         let _ = std::fs::remove_dir_all(&cache);
     }
-    assert!(failures.is_empty(), "routed missed the needle that dense found at (depth, τ, budget) {failures:?}");
+    assert!(
+        failures.is_empty(),
+        "routed missed the needle that dense found at (depth, τ, budget, recent rows) {failures:?}"
+    );
 }
 
 /// Teacher-forced perplexity of the 2048 tokens after a 30,720-token prefix
@@ -542,8 +558,8 @@ fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
     let sweep = route_settings(&settings);
     let routed: Vec<GpuPrefill> = sweep
         .iter()
-        .map(|&(tau, budget)| {
-            let settings = RouteSettings { tau, budget, ..settings.clone() };
+        .map(|&(tau, budget, recent_rows)| {
+            let settings = RouteSettings { tau, budget, recent_rows, ..settings.clone() };
             GpuPrefill::new(gpu, &model).unwrap().with_routing(settings).unwrap()
         })
         .collect();
@@ -576,7 +592,7 @@ fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
         let tokens = tokenizer.encode(&text, true, false).unwrap();
         assert!(tokens.len() > prefix + scored + 1);
         let dense_ppl = nll(&dense, &tokens).0.exp();
-        for (routed, (tau, budget)) in routed.iter().zip(&sweep) {
+        for (routed, (tau, budget, _)) in routed.iter().zip(&sweep) {
             let (routed_nll, report) = nll(routed, &tokens);
             let (routed_ppl, report) = (routed_nll.exp(), report.unwrap());
             for layer in &report.layers {

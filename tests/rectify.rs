@@ -6,6 +6,9 @@
 //!   that prefilled the prompt and then the decoded tokens in batches of `F`
 //!   (which is what a rectification pass is), in the f16 cache and in a
 //!   quantized one; without rectification they are not;
+//! * after a rectification, resa decodes bit for bit what a fresh resa
+//!   session decodes from that dense cache (its block descriptors are the
+//!   ones it would build from scratch);
 //! * the drift a session reports is the relative L2 distance this test
 //!   computes between the sparse session's rows and the dense ones;
 //! * windows that no step read sparsely are not run again;
@@ -80,6 +83,37 @@ fn a_rectified_cache_is_the_dense_batched_one() {
         assert!(rows(&rectified) == want, "{mode}: the rectified cache is not the dense one");
         let differ = rows(&sparse).iter().zip(&want).filter(|(a, b)| a != b).count();
         assert!(differ > 0, "{mode}: sparse decoding wrote the dense rows without rectification");
+    }
+}
+
+/// After a rectification, a resa session decodes what a fresh resa session
+/// decodes from the dense cache the pass rebuilt: the block descriptors it
+/// keeps are those it would build from scratch.
+#[test]
+fn after_a_rectification_resa_decodes_as_from_a_fresh_dense_cache() {
+    let file = GgufFile::open(common::default_model()).unwrap();
+    let model = Model::load(&file).unwrap();
+    let n_vocab = model.hp.n_vocab;
+    // The rewritten tokens start inside a block, and at a block's start.
+    for prompt_len in [PROMPT, PROMPT.next_multiple_of(resa::BLOCK)] {
+        let (prompt, decoded) = (tokens(prompt_len, 11, n_vocab), tokens(3 * EVERY, 12, n_vocab));
+        let n_ctx = prompt_len + decoded.len() + 1;
+        let mut base = Session::with_policy(&model, n_ctx, DEFAULT_BATCH, Storage::default(), resa());
+        base.prefill(&prompt).unwrap();
+        let (first, rest) = decoded.split_at(EVERY);
+        let mut rectified = base.fork(resa(), Rectify::every(EVERY)).unwrap();
+        for &token in first {
+            rectified.decode(token).unwrap();
+        }
+        let mut dense = base.fork(Box::new(Dense), Rectify::default()).unwrap();
+        dense.prefill(first).unwrap();
+        let mut fresh = dense.fork(resa(), Rectify::every(EVERY)).unwrap();
+        for (step, &token) in rest.iter().enumerate() {
+            let want: Vec<u32> = fresh.decode(token).unwrap().iter().map(|x| x.to_bits()).collect();
+            let got: Vec<u32> = rectified.decode(token).unwrap().iter().map(|x| x.to_bits()).collect();
+            assert!(got == want, "prompt {prompt_len}, step {step} after a rectification: not a fresh session's");
+        }
+        assert_eq!(rectified.rectify_stats().passes, 3, "prompt {prompt_len}");
     }
 }
 

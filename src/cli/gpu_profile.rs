@@ -11,7 +11,10 @@
 //! synthetic queries, keys and values with recency and heavy hitters (a
 //! local band of rotating directions, a few keys every query favours) at
 //! each length: sift's dense kernel, then routed attention with its probe,
-//! routing and index included, audited against the dense output.
+//! routing and index included, audited against the dense output; with
+//! `--captured DIR` the inputs are instead a model's own queries, keys and
+//! values, kept by `--capture DIR TEXT...` and tiled to the compared shape
+//! (see `sift::gpu::route::captured`).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -23,6 +26,7 @@ use sift::engine::Session;
 use sift::gpu::attention::{Attention, AttentionShape, BLOCK};
 use sift::gpu::prefill::GpuPrefill;
 use sift::gpu::route::calibration::CalibrationFile;
+use sift::gpu::route::captured::{tile, CapturedLayer, CapturedPassage};
 use sift::gpu::route::profile::{LatencyProfile, BUCKETS};
 use sift::gpu::route::{Pattern, RouteSettings, RoutedAttention};
 use sift::gpu::{AdapterPolicy, GpuContext, KernelPath};
@@ -66,6 +70,28 @@ pub struct GpuProfileArgs {
     /// --compare: dense fallback when a KV head's lower mass bound is under this
     #[arg(long, default_value_t = 0.95)]
     prefill_tau: f64,
+    /// --compare: m̲ bounds the probe's least-kept recent row too (see `sift run`'s flag)
+    #[arg(long)]
+    prefill_recent_rows: bool,
+    /// Instead of profiling, prefill passages of these texts on the GPU and keep each passage's
+    /// queries, keys and values at the global layers under --capture-dir
+    #[arg(long, value_name = "FILE", num_args = 1.., requires = "capture_dir")]
+    capture: Vec<PathBuf>,
+    /// Where --capture writes (a directory per passage, named after the text and passage)
+    #[arg(long, value_name = "DIR")]
+    capture_dir: Option<PathBuf>,
+    /// --capture: tokens of each passage (its first is BOS)
+    #[arg(long, default_value_t = 32768)]
+    capture_tokens: usize,
+    /// --capture: disjoint passages taken from the start of each text, at most
+    #[arg(long, default_value_t = 1)]
+    capture_passages: usize,
+    /// --compare on the captures under DIR, tiled to the shape, in place of synthetic inputs
+    #[arg(long, value_name = "DIR", requires = "captured_calibration")]
+    captured: Option<PathBuf>,
+    /// --captured: the captures δ is calibrated on (other texts than --captured's)
+    #[arg(long, value_name = "DIR")]
+    captured_calibration: Option<PathBuf>,
 }
 
 pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
@@ -78,6 +104,9 @@ pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
     };
     if !args.calibrate.is_empty() {
         return calibrate(&args, policy);
+    }
+    if let Some(dir) = &args.capture_dir {
+        return capture(&args, dir, policy);
     }
     let (shape, default_top) = match &args.shape {
         Some(s) => (parse_shape(s)?, 131072),
@@ -105,10 +134,65 @@ pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
             profile
         }
     };
+    let inputs = match (&args.captured, &args.captured_calibration) {
+        (Some(eval), Some(calibration)) => {
+            let read = |dir: &PathBuf| CapturedPassage::read_all(dir).map_err(anyhow::Error::msg);
+            Inputs::Captured { eval: read(eval)?, calibration: read(calibration)? }
+        }
+        _ => Inputs::Synthetic,
+    };
     for &n in &args.compare {
-        compare(&ctx, path, shape, n, &profile, (args.prefill_budget, args.prefill_tau))?;
+        compare(
+            &ctx,
+            path,
+            shape,
+            n,
+            &profile,
+            &inputs,
+            (args.prefill_budget, args.prefill_tau, args.prefill_recent_rows),
+        )?;
     }
     Ok(())
+}
+
+/// What `--compare` attends over.
+enum Inputs {
+    /// [`synthetic`], seed 0 measured and seed 1 calibrated on.
+    Synthetic,
+    /// Captures tiled to the shape.
+    Captured { eval: Vec<CapturedPassage>, calibration: Vec<CapturedPassage> },
+}
+
+impl Inputs {
+    /// Queries, keys and values of `n` positions for `(hq, hk, d)`, padded to
+    /// `rows`, measured on or (with `calibration`) calibrated on.
+    fn make(
+        &self,
+        (hq, hk, d): (u32, u32, u32),
+        n: u32,
+        rows: usize,
+        calibration: bool,
+    ) -> anyhow::Result<[Vec<f16>; 3]> {
+        let shape = (hq as usize, hk as usize, d as usize);
+        match self {
+            Inputs::Synthetic => Ok(synthetic(n as usize, shape.0, shape.1, shape.2, rows, calibration as u64)),
+            Inputs::Captured { eval, calibration: held_out } => {
+                let passages = if calibration { held_out } else { eval };
+                tile(passages, shape, n as usize, rows).map_err(anyhow::Error::msg)
+            }
+        }
+    }
+
+    fn describe(&self, calibration: bool) -> String {
+        match self {
+            Inputs::Synthetic => format!("synthetic, seed {}", calibration as u64),
+            Inputs::Captured { eval, calibration: held_out } => {
+                let passages = if calibration { held_out } else { eval };
+                let names: Vec<&str> = passages.iter().map(|p| p.source.as_str()).collect();
+                format!("captured from {}, tiled", names.join(", "))
+            }
+        }
+    }
 }
 
 fn parse_shape(s: &str) -> Result<(u32, u32, u32), Usage> {
@@ -196,9 +280,10 @@ fn compare(
     (hq, hk, d): (u32, u32, u32),
     n: u32,
     profile: &LatencyProfile,
-    (budget, tau): (f64, f64),
+    inputs: &Inputs,
+    (budget, tau, recent_rows): (f64, f64, bool),
 ) -> anyhow::Result<()> {
-    eprintln!("gpu-profile: comparing at {n} tokens");
+    eprintln!("gpu-profile: comparing at {n} tokens on {}", inputs.describe(false));
     let dense = Attention::new(&ctx.device, path, d, hq / hk)?;
     // Chunks whose f32 output fits one binding, in whole blocks.
     let binding = ctx.limits.max_storage_buffer_binding_size.min(ctx.limits.max_buffer_size);
@@ -208,31 +293,32 @@ fn compare(
         .step_by(chunk as usize)
         .map(|pos0| AttentionShape { n: chunk.min(n - pos0), pos0, n_head: hq, n_kv_head: hk, window: None, scale })
         .collect();
-    let synthetic =
-        |seed| synthetic(n as usize, hq as usize, hk as usize, d as usize, n.next_multiple_of(BLOCK) as usize, seed);
+    let rows = n.next_multiple_of(BLOCK) as usize;
     let calibration = RouteSettings { pattern: Some(Pattern::AShape), calibrate: true, ..RouteSettings::default() };
     let calibrating = RoutedAttention::new(ctx, path, (d, hq / hk), calibration, None)?;
-    attend_synthetic(ctx, &calibrating, &dense, (&shapes, d as usize), &synthetic(1), false)?;
+    let held_out = inputs.make((hq, hk, d), n, rows, true)?;
+    attend_inputs(ctx, &calibrating, &dense, (&shapes, d as usize), &held_out, false)?;
+    drop(held_out);
     let residuals = calibrating.residuals.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let delta =
-        CalibrationFile::from_residuals(&residuals, 0.95, "synthetic".into(), vec!["seed 1".into()], n as usize)
-            .map_or(RouteSettings::default().delta, |c| c.delta);
-    eprintln!("gpu-profile: δ = {delta:.4} from {} residuals on another seed", residuals.len());
-    let settings = RouteSettings { budget, tau, delta, audit: true, ..RouteSettings::default() };
+    let delta = CalibrationFile::from_residuals(&residuals, 0.95, String::new(), vec![], n as usize)
+        .map_or(RouteSettings::default().delta, |c| c.delta);
+    eprintln!("gpu-profile: δ = {delta:.4} from {} residuals on {}", residuals.len(), inputs.describe(true));
+    let settings = RouteSettings { budget, tau, recent_rows, delta, audit: true, ..RouteSettings::default() };
     let routed = RoutedAttention::new(ctx, path, (d, hq / hk), settings, Some(profile.clone()))?;
     // A first routed pass warms the buffer pools and pipelines, as dense's
     // first run does; the second is the one reported.
-    let inputs = synthetic(0);
-    let dense_ms = attend_synthetic(ctx, &routed, &dense, (&shapes, d as usize), &inputs, true)?;
+    let measured = inputs.make((hq, hk, d), n, rows, false)?;
+    let dense_ms = attend_inputs(ctx, &routed, &dense, (&shapes, d as usize), &measured, true)?;
     *routed.report.lock().unwrap_or_else(|p| p.into_inner()) = Default::default();
-    attend_synthetic(ctx, &routed, &dense, (&shapes, d as usize), &inputs, false)?;
+    attend_inputs(ctx, &routed, &dense, (&shapes, d as usize), &measured, false)?;
     let mut report = routed.report.lock().unwrap_or_else(|p| p.into_inner());
     report.summarize();
     let routed_ms = report.timing.routed_wall_ms;
     println!(
-        "compare N={n} {hq}/{hk} heads d={d}, τ {tau}, δ {delta:.4}: dense {dense_ms:.2} ms (GPU timestamps), routed {routed_ms:.2} ms \
+        "compare N={n} {hq}/{hk} heads d={d} ({}), τ {tau}, budget {budget}, recent rows bounded {recent_rows}, δ {delta:.4}: dense {dense_ms:.2} ms (GPU timestamps), routed {routed_ms:.2} ms \
          (wall clock, readbacks included; of it probe {:.2} + index {:.2} GPU, routing {:.2} + lists {:.2} CPU, \
          kernel {:.2} GPU = dense {:.2} + sparse {:.2}): {:.2}x",
+        inputs.describe(false),
         report.timing.probe_ms,
         report.timing.index_ms,
         report.timing.routing_ms,
@@ -258,10 +344,10 @@ fn compare(
     Ok(())
 }
 
-/// Runs `routed` over the chunks `shapes` of the synthetic `[q, k, v]` (heads
+/// Runs `routed` over the chunks `shapes` of `[q, k, v]` (heads
 /// of `d` dimensions), and with `time_dense` the dense kernel first on each,
 /// whose GPU time it returns.
-fn attend_synthetic(
+fn attend_inputs(
     ctx: &GpuContext,
     routed: &RoutedAttention,
     dense: &Attention,
@@ -305,6 +391,69 @@ fn attend_synthetic(
         ctx.recycle(b);
     }
     Ok(dense_ms)
+}
+
+/// `--capture`: each text's first `--capture-passages` passages of
+/// `--capture-tokens` tokens (BOS and the text's next tokens) prefilled on
+/// the GPU, their global layers' queries and keys after RoPE and their values
+/// written to a directory per passage.
+fn capture(args: &GpuProfileArgs, dir: &std::path::Path, policy: AdapterPolicy) -> anyhow::Result<()> {
+    let file = args.model.open()?;
+    let model = Model::load(&file)?;
+    let hp = &model.hp;
+    let tokenizer = sift::tokenizer::Tokenizer::from_gguf(&file)?;
+    let bos = tokenizer.bos().context("the model has no BOS token")?;
+    let ctx = GpuContext::open(policy)?;
+    let prefill = GpuPrefill::new(&ctx, &model)?;
+    let global: Vec<usize> = (0..hp.n_layer).filter(|&il| !hp.is_sliding(il)).collect();
+    let rope = hp.rope.at_context(args.capture_tokens + 1);
+    let frequencies: Vec<f64> = (0..rope.n_rot / 2)
+        .map(|i| {
+            let divisor = rope.freq_factors.as_ref().map_or(1.0, |f| f[i] as f64);
+            rope.freq_scale as f64 * (rope.base as f64).powf(-2.0 * i as f64 / rope.n_rot as f64) / divisor
+        })
+        .collect();
+    let body_tokens =
+        args.capture_tokens.checked_sub(1).filter(|&t| t > 0).context("--capture-tokens must be at least 2")?;
+    for text in &args.capture {
+        let body = std::fs::read_to_string(text).with_context(|| format!("reading {}", text.display()))?;
+        let tokens = tokenizer.encode(&body, false, false)?;
+        let stem = text.file_stem().map_or("text".into(), |s| s.to_string_lossy().into_owned());
+        for (i, passage) in tokens.chunks_exact(body_tokens).take(args.capture_passages).enumerate() {
+            let prompt: Vec<u32> = std::iter::once(bos).chain(passage.iter().copied()).collect();
+            let source = format!("{stem} tokens {}..{}", i * body_tokens, (i + 1) * body_tokens);
+            eprintln!("gpu-profile: capturing {source}");
+            let mut layers: Vec<CapturedLayer> =
+                global.iter().map(|&layer| CapturedLayer { layer, ..CapturedLayer::default() }).collect();
+            let mut keep = |stage: &str, il: usize, rows: &[f32]| {
+                let Some(layer) = layers.iter_mut().find(|l| l.layer == il) else { return };
+                let into = match stage {
+                    "q_rope" => &mut layer.q,
+                    "k_rope" => &mut layer.k,
+                    "v" => &mut layer.v,
+                    _ => return,
+                };
+                into.extend(rows.iter().map(|&x| f16::from_f32(x)));
+            };
+            let mut cache = sift::kv::KvCache::new(&model.cache_shape(), Default::default(), prompt.len() + 1, 1);
+            prefill.run(&prompt, 0, &mut cache, sift::model::Outputs::CacheOnly, Some(&mut keep))?;
+            let captured = CapturedPassage {
+                source,
+                tokens: prompt.len(),
+                n_head: hp.n_head,
+                n_kv_head: hp.n_head_kv,
+                head_dim: hp.head_dim_k,
+                attn_scale: hp.attn_scale,
+                neox: rope.style == sift::model::hparams::RopeStyle::Neox,
+                frequencies: frequencies.clone(),
+                layers,
+            };
+            let out = dir.join(format!("{stem}-{i}"));
+            captured.write(&out).with_context(|| format!("writing {}", out.display()))?;
+            println!("captured {}: {} tokens, layers {global:?}: {}", captured.source, captured.tokens, out.display());
+        }
+    }
+    Ok(())
 }
 
 /// `--calibrate`: δ from dense runs on the texts.

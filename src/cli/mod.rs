@@ -182,6 +182,11 @@ pub struct GpuArgs {
     /// pattern stays dense
     #[arg(long, default_value_t = 0.95)]
     pub prefill_tau: f64,
+    /// Routed: m̲ bounds the probe's recent row that keeps least as well as the mean
+    /// (m̲ = min(m̂, ŵ) − δ), so that a mask dropping a far key the last queries attend to is
+    /// not eligible
+    #[arg(long)]
+    pub prefill_recent_rows: bool,
     /// δ, the calibrated quantile of the probe's mass overestimate, from this file [default:
     /// the one `sift gpu-profile --calibrate` wrote for the model; 0.05 without one]
     #[arg(long, value_name = "FILE")]
@@ -260,6 +265,7 @@ impl GpuArgs {
             pattern,
             budget: self.prefill_budget,
             tau: self.prefill_tau,
+            recent_rows: self.prefill_recent_rows,
             audit: self.prefill_audit,
             report: self.prefill_report.clone(),
             ..RouteSettings::default()

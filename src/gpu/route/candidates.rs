@@ -165,6 +165,9 @@ pub struct Estimate {
     pub mass: f64,
     /// u: the largest minus the smallest subset mean.
     pub disagreement: f64,
+    /// ŵ: the covered mass of the recent row (the prompt's last queries,
+    /// which read the answer) that keeps least; 1 without recent rows.
+    pub worst_recent: f64,
 }
 
 impl Estimate {
@@ -177,12 +180,13 @@ impl Estimate {
 /// The probe's estimate of the mass `mask` keeps for KV head `h`.
 pub fn estimate(mask: &Mask, probe: &Probe, rows: &ProbeRows, h: usize) -> Estimate {
     if *mask == Mask::Dense {
-        return Estimate { mass: 1.0, disagreement: 0.0 };
+        return Estimate { mass: 1.0, disagreement: 0.0, worst_recent: 1.0 };
     }
     let columns = probe.columns(h);
     let (mut blocks, mut single) = (Vec::new(), Vec::new());
     let mut sums = [(0.0f64, 0usize); 3];
     let mut last_block = u32::MAX;
+    let mut worst_recent = 1.0f64;
     for (r, (&t, &subset)) in rows.positions.iter().zip(&rows.subsets).enumerate() {
         if t / BLOCK != last_block {
             last_block = t / BLOCK;
@@ -197,14 +201,18 @@ pub fn estimate(mask: &Mask, probe: &Probe, rows: &ProbeRows, h: usize) -> Estim
             Subset::Uniform => 1,
             Subset::Boundary => 2,
         };
-        sums[at].0 += (in_blocks + in_columns).min(1.0);
+        let covered = (in_blocks + in_columns).min(1.0);
+        if subset == Subset::Recent {
+            worst_recent = worst_recent.min(covered);
+        }
+        sums[at].0 += covered;
         sums[at].1 += 1;
     }
     let means: Vec<f64> = sums.iter().filter(|(_, n)| *n > 0).map(|(s, n)| s / *n as f64).collect();
     let mass = means.iter().sum::<f64>() / means.len().max(1) as f64;
     let spread =
         means.iter().cloned().fold(f64::NEG_INFINITY, f64::max) - means.iter().cloned().fold(f64::INFINITY, f64::min);
-    Estimate { mass, disagreement: if means.is_empty() { 0.0 } else { spread } }
+    Estimate { mass, disagreement: if means.is_empty() { 0.0 } else { spread }, worst_recent }
 }
 
 #[cfg(test)]
@@ -245,5 +253,25 @@ mod tests {
         assert!((e.mass - 0.85).abs() < 1e-6, "{e:?}");
         assert!((e.disagreement - 0.1).abs() < 1e-6, "{e:?}");
         assert!((e.risk(0.5) - 0.2).abs() < 1e-6);
+        assert!((e.worst_recent - 0.9).abs() < 1e-6, "only recent rows count: {e:?}");
+    }
+
+    #[test]
+    fn a_recent_row_that_attends_to_a_dropped_block_is_the_worst() {
+        // Two recent rows in query block 2; the second puts 0.7 of its mass
+        // on key block 1 (a needle), which A-shape [1, 1] drops.
+        let probe = Probe {
+            kv_heads: 1,
+            rows: 2,
+            key_blocks: 3,
+            block_mass: vec![0.5, 0.1, 0.4, 0.1, 0.7, 0.2],
+            column_scores: vec![0.0; 192],
+            diagonal_scores: vec![0.0; 192],
+            ..Probe::default()
+        };
+        let rows = ProbeRows { positions: vec![191, 190], subsets: vec![Subset::Recent; 2], recent: 2 };
+        let e = estimate(&Mask::AShape { sink_blocks: 1, local_blocks: 1 }, &probe, &rows, 0);
+        assert!((e.mass - 0.6).abs() < 1e-6, "{e:?}");
+        assert!((e.worst_recent - 0.3).abs() < 1e-6, "{e:?}");
     }
 }

@@ -16,6 +16,7 @@
 
 pub mod calibration;
 pub mod candidates;
+pub mod captured;
 pub mod index;
 pub mod probe;
 pub mod profile;
@@ -37,6 +38,11 @@ pub struct RouteSettings {
     pub budget: f64,
     /// Dense fallback when m̲ < τ.
     pub tau: f64,
+    /// m̲ bounds the least-kept recent probe row too, not only the mean:
+    /// m̲ = max(0, min(m̂, ŵ) − δ_q). A mask that drops a far block the
+    /// prompt's last queries attend to (a needle) loses much of one row's
+    /// mass and little of the mean.
+    pub recent_rows: bool,
     /// The weight of the probe subsets' disagreement in the risk.
     pub alpha: f64,
     /// δ_q, and where it came from (for the report).
@@ -57,6 +63,7 @@ impl Default for RouteSettings {
             pattern: None,
             budget: 0.25,
             tau: 0.95,
+            recent_rows: false,
             alpha: 0.5,
             delta,
             delta_source: crate::gpu::report::Calibration { delta, quantile: 0.95, file: None },

@@ -153,7 +153,10 @@ impl RoutedAttention {
                     .collect()
             })
             .collect();
-        let lower = |e: &Estimate| (e.mass - self.settings.delta).max(0.0);
+        let lower = |e: &Estimate| {
+            let kept = if self.settings.recent_rows { e.mass.min(e.worst_recent) } else { e.mass };
+            (kept - self.settings.delta).max(0.0)
+        };
         let time = |c: Candidate, mask: &Mask| {
             self.profile.as_ref().and_then(|p| p.mask_time_us(c, mask, query_blocks.clone(), kv_len)).unwrap_or(0.0)
         };
