@@ -499,7 +499,7 @@ impl ScanQuery {
         for (planes, channel) in
             [(&mut self.weights, &self.channel_weights), (&mut self.residuals, &self.channel_residuals)]
         {
-            planes.clear();
+            // Every plane byte is written below.
             planes.resize(layout.weights_len(), 0);
             match layout.fields() {
                 2 => into_planes::<2>(channel, planes),
@@ -575,9 +575,10 @@ impl ScanQuery {
 /// planes: plane `j` holds field `j` of every code byte.
 fn into_planes<const FIELDS: usize>(channel: &[i8], planes: &mut [i8]) {
     let row_bytes = planes.len() / FIELDS;
+    let (bytes, _) = channel[..row_bytes * FIELDS].as_chunks::<FIELDS>();
     for (j, plane) in planes.chunks_exact_mut(row_bytes).enumerate() {
-        for (m, w) in plane.iter_mut().enumerate() {
-            *w = channel[m * FIELDS + j];
+        for (w, byte) in plane.iter_mut().zip(bytes) {
+            *w = byte[j];
         }
     }
 }
