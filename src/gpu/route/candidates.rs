@@ -234,19 +234,25 @@ mod tests {
         assert_eq!(most, Some(TOP_BLOCKS));
     }
 
+    /// A probe of one KV head with two rows over 3 key blocks (192 keys), each row's
+    /// block masses given; no column or diagonal scores.
+    fn two_rows_over_three_blocks(block_mass: Vec<f32>) -> Probe {
+        Probe {
+            kv_heads: 1,
+            rows: 2,
+            key_blocks: 3,
+            block_mass,
+            column_scores: vec![0.0; 192],
+            diagonal_scores: vec![0.0; 192],
+            ..Probe::default()
+        }
+    }
+
     #[test]
     fn the_estimate_sums_the_listed_blocks_per_subset() {
         // One KV head, 3 key blocks; two probe rows in query block 2, one
         // recent and one uniform.
-        let probe = Probe {
-            kv_heads: 1,
-            rows: 2,
-            key_blocks: 3,
-            block_mass: vec![0.5, 0.1, 0.4, 0.2, 0.2, 0.6],
-            column_scores: vec![0.0; 192],
-            diagonal_scores: vec![0.0; 192],
-            ..Probe::default()
-        };
+        let probe = two_rows_over_three_blocks(vec![0.5, 0.1, 0.4, 0.2, 0.2, 0.6]);
         let rows = ProbeRows { positions: vec![191, 150], subsets: vec![Subset::Recent, Subset::Uniform], recent: 1 };
         let mask = Mask::AShape { sink_blocks: 1, local_blocks: 1 };
         let e = estimate(&mask, &probe, &rows, 0);
@@ -260,15 +266,7 @@ mod tests {
     fn a_recent_row_that_attends_to_a_dropped_block_is_the_worst() {
         // Two recent rows in query block 2; the second puts 0.7 of its mass
         // on key block 1 (a needle), which A-shape [1, 1] drops.
-        let probe = Probe {
-            kv_heads: 1,
-            rows: 2,
-            key_blocks: 3,
-            block_mass: vec![0.5, 0.1, 0.4, 0.1, 0.7, 0.2],
-            column_scores: vec![0.0; 192],
-            diagonal_scores: vec![0.0; 192],
-            ..Probe::default()
-        };
+        let probe = two_rows_over_three_blocks(vec![0.5, 0.1, 0.4, 0.1, 0.7, 0.2]);
         let rows = ProbeRows { positions: vec![191, 190], subsets: vec![Subset::Recent; 2], recent: 2 };
         let e = estimate(&Mask::AShape { sink_blocks: 1, local_blocks: 1 }, &probe, &rows, 0);
         assert!((e.mass - 0.6).abs() < 1e-6, "{e:?}");
