@@ -71,6 +71,8 @@ struct LayerBlocks {
     /// Blocks described: `0..described` (those before the visible positions
     /// were skipped and hold nothing).
     described: usize,
+    /// Numbers per block: `n_kv_head · 2 · head_dim`.
+    per_block: usize,
 }
 
 /// Block-sparse attention with min/max block descriptors.
@@ -95,6 +97,15 @@ impl Resa {
         Self { params, ..Self::default() }
     }
 
+    /// The descriptors layer `layer` holds, of its blocks `0..n` described
+    /// so far: `n` and `[block][kv head][min | max][channel]` (blocks before
+    /// a sliding window's first visible position are zeros). A block is
+    /// described when a sparse step first sees it complete, and described
+    /// anew after a rectification rewrote any of its keys.
+    pub fn descriptors(&self, layer: usize) -> (usize, &[f32]) {
+        self.layers.get(layer).map_or((0, &[]), |b| (b.described, &b.bounds[..b.described * b.per_block]))
+    }
+
     /// Describes the complete blocks of `call`'s layer up to the newest,
     /// from the first visible position on.
     fn describe(&mut self, call: &LayerCall, visible: &Range<usize>) {
@@ -104,6 +115,7 @@ impl Resa {
         let batch = call.batch;
         let (n_kv, dim) = (batch.n_kv_head(), batch.head_dim_k);
         let blocks = &mut self.layers[call.layer];
+        blocks.per_block = n_kv * 2 * dim;
         let complete = visible.end / BLOCK;
         blocks.described = blocks.described.max(visible.start / BLOCK);
         blocks.bounds.resize(complete.max(blocks.described) * n_kv * 2 * dim, 0.0);
