@@ -77,7 +77,7 @@ use sift::attn::resa::{self, Resa};
 use sift::attn::{AttentionPolicy, Measure};
 use sift::engine::{Session, DEFAULT_BATCH};
 use sift::gguf::GgufFile;
-use sift::kv::Storage;
+use sift::kv::{PagedLayer, Storage};
 use sift::matmul::{MatmulScratch, Matrix};
 use sift::model::Model;
 use sift::rectify::{Rectify, DEFAULT_EVERY};
@@ -330,6 +330,9 @@ struct PrefixRun {
     free_done: bool,
     /// Dense first, then the settings' variants, in order.
     variants: Vec<VariantRun>,
+    /// Teacher-forced: the tokens dense decoded, the first after the prefix first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    tokens: Vec<u32>,
 }
 
 impl PrefixRun {
@@ -361,6 +364,11 @@ struct VariantRun {
     rectifications: u64,
     tokens_rewritten: u64,
     rectify_s: f64,
+    /// Teacher-forced, at the end: how far the keys and values in its cache
+    /// at the decoded positions are from dense's, per layer and bin of
+    /// [`BIN`] positions, `[keys, values]` relative L2 ([`cache_drift`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    cache_drift: Vec<Vec<Option<[f64; 2]>>>,
 }
 
 /// An experiment's prefix runs, as a run or a shard writes them.
@@ -414,7 +422,8 @@ fn main() -> anyhow::Result<()> {
         let mut base = Session::with_policy(&model, n_ctx, DEFAULT_BATCH, storage, Box::new(Dense));
         let first = argmax(base.prefill(&tokens)?);
         eprintln!("{} prefix {index} ({book} at token {offset}) prefilled", stamp());
-        let run = PrefixRun { index, book, offset, teacher_steps: 0, free_done: false, variants: Vec::new() };
+        let run =
+            PrefixRun { index, book, offset, teacher_steps: 0, free_done: false, variants: Vec::new(), tokens: vec![] };
         results.runs.push(run);
         lockstep(&base, &mut head, first, &s, &mut results, |results, steps| {
             eprintln!("{} prefix {index}: {steps} teacher-forced steps", stamp());
@@ -533,6 +542,9 @@ fn lockstep(
         }
         token = dense_top;
         let current = &mut results.runs[last];
+        if teacher {
+            current.tokens.push(token);
+        }
         current.teacher_steps = if teacher { step + 1 } else { 0 };
         current.free_done = step + 2 >= settings.free_gen;
         if teacher && (step + 1) % BIN == 0 {
@@ -543,7 +555,54 @@ fn lockstep(
     let current = &mut results.runs[last];
     current.free_done = true;
     current.variants = record(&runs, &sessions, &times, &counts);
+    if teacher {
+        let decoded = base.n_past()..base.n_past() + steps;
+        for (run, session) in current.variants.iter_mut().zip(&sessions).skip(1) {
+            run.cache_drift = cache_drift(session, &sessions[0], decoded.clone());
+        }
+    }
     Ok(())
+}
+
+/// Per layer and bin of [`BIN`] of `positions`, the relative L2 distance of
+/// `session`'s keys, and of its values, from `dense`'s:
+/// `‖K − K_dense‖ / ‖K_dense‖` over the bin's rows of every KV head; none
+/// for a bin a sliding layer no longer holds whole.
+fn cache_drift(session: &Session, dense: &Session, positions: Range<usize>) -> Vec<Vec<Option<[f64; 2]>>> {
+    let hp = &dense.model().hp;
+    let (n_kv, dim_k, dim_v) = (hp.n_head_kv, hp.head_dim_k, hp.head_dim_v);
+    let rows = |layer: &PagedLayer, span: Range<usize>| {
+        let (mut keys, mut values) = (vec![0.0f32; span.len() * n_kv * dim_k], vec![0.0f32; span.len() * n_kv * dim_v]);
+        let slots = span.flat_map(|pos| (0..n_kv).map(move |h| (h, pos)));
+        for (i, (h, pos)) in slots.enumerate() {
+            layer.key(h, pos, &mut keys[i * dim_k..][..dim_k]);
+            layer.value(h, pos, &mut values[i * dim_v..][..dim_v]);
+        }
+        (keys, values)
+    };
+    (0..hp.n_layer)
+        .map(|il| {
+            let (layer, want) = (session.cache().layer(il), dense.cache().layer(il));
+            let held = layer.held();
+            (positions.start..positions.end)
+                .step_by(BIN)
+                .map(|a| {
+                    let span = a..(a + BIN).min(positions.end);
+                    (span.start >= held.start && span.end <= held.end).then(|| {
+                        let ((k, v), (want_k, want_v)) = (rows(layer, span.clone()), rows(want, span));
+                        [relative_l2(&k, &want_k), relative_l2(&v, &want_v)]
+                    })
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// `‖x − y‖ / ‖y‖`, in f64.
+fn relative_l2(x: &[f32], y: &[f32]) -> f64 {
+    let diff: f64 = x.iter().zip(y).map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2)).sum();
+    let norm: f64 = y.iter().map(|&b| f64::from(b).powi(2)).sum();
+    (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
 }
 
 /// The output head in f32, dequantized once, so that one product gives
