@@ -44,7 +44,16 @@
 //! text; the positions within one prefix are not) of "rectification lowers
 //! the mean KL": the sign test and Wilcoxon's signed-rank test (exact),
 //! decided at α = 0.05 by the latter. Free-running rates come with their
-//! Clopper–Pearson 95% interval.
+//! Clopper–Pearson 95% interval. The opposite one-sided p (higher with
+//! rectification) is given beside it.
+//!
+//! Where the KL lies: a teacher-forced prefix keeps dense's tokens, and the
+//! second half's mean KL of each pair is split between positions whose
+//! dense token continues a repeat of dense's own continuation (it and the
+//! 8 tokens before it occurred earlier in it: a greedy loop) and the
+//! others. At the end of a teacher-forced prefix, each variant's keys and
+//! values at the decoded positions are compared with dense's, per layer and
+//! bin (relative L2): how far its cache drifted, and whether that grows.
 //!
 //! Writes `rectify-<prefix>.md` (the tables), `rectify-<prefix>.json` (the
 //! tables' numbers and every prefix's per-step record) and
@@ -337,13 +346,20 @@ struct PrefixRun {
 
 impl PrefixRun {
     /// The same prefix from another file: of a variant in both, the run
-    /// that went further counts; a variant in one only is kept.
+    /// that went further counts; a variant in one only is kept. Dense's
+    /// tokens and a variant's cache drift, where only the other run of as
+    /// many steps has them, are taken from it.
     fn absorb(&mut self, other: PrefixRun) {
         let further = (other.teacher_steps, other.free_done) > (self.teacher_steps, self.free_done);
         let nearer = if further { std::mem::replace(self, other) } else { other };
+        if self.tokens.is_empty() && nearer.teacher_steps == self.teacher_steps {
+            self.tokens = nearer.tokens;
+        }
         for v in nearer.variants {
-            if self.variants.iter().all(|f| f.policy != v.policy) {
-                self.variants.push(v);
+            match self.variants.iter_mut().find(|f| f.policy == v.policy) {
+                None => self.variants.push(v),
+                Some(f) if f.cache_drift.is_empty() && f.kl.len() == v.kl.len() => f.cache_drift = v.cache_drift,
+                Some(_) => {}
             }
         }
     }
@@ -598,6 +614,17 @@ fn cache_drift(session: &Session, dense: &Session, positions: Range<usize>) -> V
         .collect()
 }
 
+/// The tokens before a position that must have occurred earlier, with it,
+/// for [`repeats`] to call it a repeat.
+const REPEAT: usize = 8;
+
+/// Whether each of `tokens` continues a repeat: it and the [`REPEAT`]
+/// tokens before it occurred, in that order, earlier in `tokens`.
+fn repeats(tokens: &[u32]) -> Vec<bool> {
+    let stretch = |end: usize| &tokens[end - REPEAT..=end];
+    (0..tokens.len()).map(|s| s >= REPEAT && (REPEAT..s).any(|j| stretch(j) == stretch(s))).collect()
+}
+
 /// `‖x − y‖ / ‖y‖`, in f64.
 fn relative_l2(x: &[f32], y: &[f32]) -> f64 {
     let diff: f64 = x.iter().zip(y).map(|(&a, &b)| (f64::from(a) - f64::from(b)).powi(2)).sum();
@@ -837,6 +864,8 @@ struct SpanTest {
     mean_with: f64,
     sign_p: f64,
     wilcoxon_p: f64,
+    /// Wilcoxon's p of the opposite one-sided hypothesis: higher with rectification.
+    wilcoxon_p_higher: f64,
 }
 
 /// The tables of a set of prefix runs.
@@ -929,6 +958,7 @@ impl<'a> Report<'a> {
                     mean_with: both.iter().map(|p| p.1).sum::<f64>() / n,
                     sign_p: sign_test(lower, differences.iter().filter(|&&d| d != 0.0).count()),
                     wilcoxon_p: wilcoxon_signed_rank(&differences),
+                    wilcoxon_p_higher: wilcoxon_signed_rank(&differences.iter().map(|d| -d).collect::<Vec<_>>()),
                 }
             })
             .filter(|t| t.prefixes > 0)
@@ -974,6 +1004,8 @@ impl<'a> Report<'a> {
                 .collect();
             let _ = writeln!(s, "| all | {} |\n", all.join(" | "));
             self.write_paired(&mut s);
+            self.write_repeats(&mut s);
+            self.write_drift(&mut s);
         }
         let free: Vec<usize> = (0..self.variants.len()).filter(|&i| self.free[i].free_runs() > 0).collect();
         if !free.is_empty() {
@@ -1074,16 +1106,16 @@ impl<'a> Report<'a> {
         );
         let _ = writeln!(
             s,
-            "| policy | tokens | lower with rectification | mean KL without → with | sign test p | Wilcoxon p | at α = {ALPHA} |"
+            "| policy | tokens | lower with rectification | mean KL without → with | sign test p | Wilcoxon p | at α = {ALPHA} | Wilcoxon p, H₁: higher |"
         );
-        let _ = writeln!(s, "| --- | --- | ---: | ---: | ---: | ---: | --- |");
+        let _ = writeln!(s, "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |");
         for (without, tests) in &tests {
             for t in tests {
                 let half = if t.span == spans[1] { " (second half)" } else { "" };
                 let verdict = if t.wilcoxon_p < ALPHA { "**lower**" } else { "not shown" };
                 let _ = writeln!(
                     s,
-                    "| {} | {}{half} | {} of {} | {:.6} → {:.6} | {:.3} | {:.3} | {verdict} |",
+                    "| {} | {}{half} | {} of {} | {:.6} → {:.6} | {:.3} | {:.3} | {verdict} | {:.3} |",
                     self.variants[*without].name(),
                     name(&t.span),
                     t.lower,
@@ -1092,8 +1124,113 @@ impl<'a> Report<'a> {
                     t.mean_with,
                     t.sign_p,
                     t.wilcoxon_p,
+                    t.wilcoxon_p_higher,
                 );
             }
+        }
+        s.push('\n');
+    }
+
+    /// Per pair and prefix whose dense tokens the run kept, over the second
+    /// half: the share of positions where dense's token continues a repeat of
+    /// its own continuation ([`repeats`]), and the mean KL without → with
+    /// rectification at those positions and at the others.
+    fn write_repeats(&self, s: &mut String) {
+        use std::fmt::Write;
+        let gen = self.results.settings.gen;
+        let second = gen / 2..gen;
+        let mut rows = Vec::new();
+        for (without, with) in self.pairs() {
+            let names = (self.variants[without].name(), self.variants[with].name());
+            for run in self.results.runs.iter().filter(|r| r.tokens.len() >= gen) {
+                let find = |name: &str| run.variants.iter().find(|v| v.policy == name && v.kl.len() >= gen);
+                let (Some(a), Some(b)) = (find(&names.0), find(&names.1)) else { continue };
+                let repeat = repeats(&run.tokens[..gen]);
+                let mean = |kl: &[f64], want: bool| {
+                    let picked: Vec<f64> = second.clone().filter(|&i| repeat[i] == want).map(|i| kl[i]).collect();
+                    (!picked.is_empty()).then(|| picked.iter().sum::<f64>() / picked.len() as f64)
+                };
+                let cell = |want: bool| match (mean(&a.kl, want), mean(&b.kl, want)) {
+                    (Some(x), Some(y)) => format!("{x:.6} → {y:.6}"),
+                    _ => "—".into(),
+                };
+                let share = second.clone().filter(|&i| repeat[i]).count() as f64 / second.len() as f64;
+                rows.push(format!(
+                    "| {} | {} | {:.0}% | {} | {} |",
+                    names.0,
+                    run.index,
+                    100.0 * share,
+                    cell(true),
+                    cell(false)
+                ));
+            }
+        }
+        if rows.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            s,
+            "Where the second half's KL lies: positions whose dense token continues a repeat of dense's own \
+             continuation (it and the {REPEAT} tokens before it occurred earlier in it), and the others; mean KL \
+             without → with rectification\n"
+        );
+        let _ = writeln!(s, "| policy | prefix | repeats | KL at repeats | KL elsewhere |");
+        let _ = writeln!(s, "| --- | ---: | ---: | ---: | ---: |");
+        for row in rows {
+            let _ = writeln!(s, "{row}");
+        }
+        s.push('\n');
+    }
+
+    /// Per variant and layer, the mean over teacher-forced prefixes of the
+    /// keys' drift from dense's at the end of the run ([`cache_drift`]), in
+    /// the first and the last bin every layer still held.
+    fn write_drift(&self, s: &mut String) {
+        use std::fmt::Write;
+        let mut columns = Vec::new();
+        for v in self.variants.iter().skip(1) {
+            let name = v.name();
+            let drifts: Vec<&Vec<Vec<Option<[f64; 2]>>>> = (self.results.runs.iter())
+                .filter_map(|r| r.variants.iter().find(|w| w.policy == name && !w.cache_drift.is_empty()))
+                .map(|w| &w.cache_drift)
+                .collect();
+            if !drifts.is_empty() {
+                columns.push((name, drifts));
+            }
+        }
+        let Some((_, first)) = columns.first() else { return };
+        let layers = first[0].len();
+        let bins = first[0].iter().map(Vec::len).max().unwrap_or(0);
+        // The first bin every layer held, and the last.
+        let held = |b: usize| {
+            columns.iter().all(|(_, d)| d.iter().all(|p| p.iter().all(|l| l.get(b).is_some_and(Option::is_some))))
+        };
+        let Some(early) = (0..bins).find(|&b| held(b)) else { return };
+        let late = bins - 1;
+        let _ = writeln!(
+            s,
+            "Keys' relative L2 distance from dense's at the end of the teacher-forced run, per layer: decoded positions \
+             {}–{} → {}–{} (mean over prefixes)\n",
+            early * BIN,
+            (early + 1) * BIN - 1,
+            late * BIN,
+            self.results.settings.gen - 1
+        );
+        let names: Vec<String> = columns.iter().map(|(n, d)| format!("{n} ({})", d.len())).collect();
+        let _ = writeln!(s, "| layer | {} |", names.join(" | "));
+        let _ = writeln!(s, "| ---: |{}", " ---: |".repeat(columns.len()));
+        for il in 0..layers {
+            let cells: Vec<String> = columns
+                .iter()
+                .map(|(_, d)| {
+                    let mean = |b: usize| {
+                        d.iter().map(|p| p[il].get(b).copied().flatten().map_or(0.0, |x| x[0])).sum::<f64>()
+                            / d.len() as f64
+                    };
+                    format!("{:.4} → {:.4}", mean(early), mean(late))
+                })
+                .collect();
+            let _ = writeln!(s, "| {il} | {} |", cells.join(" | "));
         }
         s.push('\n');
     }
