@@ -190,7 +190,14 @@ unsafe fn refine_group<'a, 'q: 'a, I: IsaOps, const G: usize>(
             // SAFETY: the caller's ISA guarantee; every load is of a whole vector.
             unsafe {
                 for m in (0..whole).step_by(VECTOR) {
-                    let weights = planes.map(|p| p.map(|plane| load32(first::<i8>(&plane[m..]))));
+                    // (Loops, not `array::map`, whose closures are not
+                    // always inlined in this innermost loop.)
+                    let mut weights = [[zero; 4]; G];
+                    for (weights, planes) in weights.iter_mut().zip(&planes) {
+                        for (w, plane) in weights.iter_mut().zip(planes) {
+                            *w = load32(first::<i8>(&plane[m..]));
+                        }
+                    }
                     refine_bytes::<I, G>(
                         &mut acc,
                         load32(first::<u8>(&c[m..])),
@@ -199,7 +206,12 @@ unsafe fn refine_group<'a, 'q: 'a, I: IsaOps, const G: usize>(
                     );
                 }
                 if whole < len {
-                    let weights = tails.map(|p| p.map(|plane| load32(&plane)));
+                    let mut weights = [[zero; 4]; G];
+                    for (weights, tails) in weights.iter_mut().zip(&tails) {
+                        for (w, tail) in weights.iter_mut().zip(tails) {
+                            *w = load32(tail);
+                        }
+                    }
                     let (c, f) = (padded::<u8, VECTOR>(&c[whole..]), padded::<u8, VECTOR>(&f[whole..]));
                     refine_bytes::<I, G>(&mut acc, load32(&c), load32(&f), &weights);
                 }
