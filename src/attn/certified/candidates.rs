@@ -42,8 +42,6 @@
 //! scores and the refinements: the first head that needs a key's score (or
 //! its 8-bit bound) reads the key once for every head of the group
 //! ([`GroupReads`]), as dense attention reads each key once for the group.
-//! (Where the group's heads are split among threads, each thread's heads
-//! share their reads so, and a key may be read once per thread.)
 //! The key rows a head scores at one level are asked of the caches first,
 //! then gathered end to end for one kernel call, and the values of the keys
 //! it scored are asked for too: these rows lie scattered over the cache,
@@ -55,9 +53,7 @@
 //! minima and steps and its coarse codes, split evenly among the group's
 //! heads, which read them once together, fine codes included where the
 //! scan refines), the bytes of the keys it read first for the group (the
-//! key rows of an exact score: where the heads are split among threads,
-//! those that no head before it in the group read, as one thread would have
-//! counted them, [`GroupReads::first_reads`]), and its value bytes, as the cache holds
+//! key rows of an exact score), and its value bytes, as the cache holds
 //! them ([`HeadRows::key_bytes`], [`HeadRows::value_bytes`]), the exact
 //! set's included.
 
@@ -331,32 +327,29 @@ impl<T: Copy + Default> Memo<T> {
     }
 }
 
-/// What some of the group's heads (a contiguous range of them, all of them
-/// on one thread) have read of its keys this call, for all of them at once:
-/// exact scores (keys numbered as the exact set, sinks then window, then
-/// the pool) and the pool keys' perturbations; and the keys each head read
-/// first, with their bytes.
+/// What the group's heads have read of its keys this call, for all of them
+/// at once: exact scores (keys numbered as the exact set, sinks then
+/// window, then the pool) and the pool keys' perturbations.
 #[derive(Default)]
 pub struct GroupReads {
-    heads: Range<usize>,
     scores: Memo<f32>,
     exponentials: Memo<f64>,
     dots: Vec<f32>,
     /// The exact key rows to score, end to end.
     gathered: Vec<f16>,
-    /// The keys read (not found read) since [`Self::clear_first_reads`],
-    /// with the bytes of each.
-    pub first_reads: Vec<(u32, u32)>,
 }
 
 impl GroupReads {
     /// Forgets everything, for `keys` keys (the exact set's and the pool's)
-    /// and `pool` pool keys, of query heads `heads` of the group.
-    pub fn reset(&mut self, keys: usize, pool: usize, heads: Range<usize>) {
-        self.scores.reset(keys, heads.len());
+    /// and `pool` pool keys, of `n_gqa` heads.
+    pub fn reset(&mut self, keys: usize, pool: usize, n_gqa: usize) {
+        self.scores.reset(keys, n_gqa);
         self.exponentials.reset(pool, 1);
-        self.heads = heads;
-        self.first_reads.clear();
+    }
+
+    /// The largest of query head `g`'s exact-set scores, once read.
+    pub fn exact_max(&self, g: usize, exact: usize) -> f64 {
+        (0..exact).filter_map(|i| self.scores.get(i)).map(|s| f64::from(s[g])).fold(f64::NEG_INFINITY, f64::max)
     }
 }
 
@@ -394,8 +387,7 @@ pub struct CacheHead<'a> {
 
 impl<'a> CacheHead<'a> {
     /// Query head `g` of `kv_head`'s group, scanned by `scan`; `reads`
-    /// holds the reads of a range of the group's heads that holds `g`,
-    /// reset for this call.
+    /// holds the group's reads, reset for this call.
     pub fn new(
         call: &LayerCall<'a>,
         kv_head: usize,
@@ -404,7 +396,6 @@ impl<'a> CacheHead<'a> {
         g: usize,
         reads: &'a mut GroupReads,
     ) -> Self {
-        debug_assert!(reads.heads.contains(&g), "head {g} outside its reads' {:?}", reads.heads);
         let rows = HeadRows::new(call, kv_head);
         Self { rows, split, scan, g, reads, pending: Vec::new(), bytes: HeadBytes::default() }
     }
@@ -429,10 +420,8 @@ impl<'a> CacheHead<'a> {
     /// call (all of them asked of the caches first: they lie scattered),
     /// coded rows in place; counts their bytes here.
     fn read_scores(&mut self, keys: impl Iterator<Item = usize>, position: impl Fn(usize) -> usize) {
-        let (dim, kernels) = (self.rows.dim_k, simd::kernels());
+        let (n, dim, kernels) = (self.scan.n_gqa, self.rows.dim_k, simd::kernels());
         let reads = &mut *self.reads;
-        let n = reads.heads.len();
-        let queries = &self.scan.queries[reads.heads.start * dim..reads.heads.end * dim];
         self.pending.clear();
         for key in keys {
             if reads.scores.get(key).is_some() {
@@ -443,17 +432,13 @@ impl<'a> CacheHead<'a> {
                 Rows::Exact(row) => {
                     simd::prefetch(row);
                     self.pending.push((key, row));
-                    let bytes = std::mem::size_of_val(row);
-                    self.bytes.keys += bytes;
-                    reads.first_reads.push((key as u32, bytes as u32));
+                    self.bytes.keys += std::mem::size_of_val(row);
                 }
                 Rows::Coded(sketch, rows) => {
-                    let bytes = sketch.bytes() / PAGE;
-                    self.bytes.keys += bytes;
-                    reads.first_reads.push((key as u32, bytes as u32));
+                    self.bytes.keys += sketch.bytes() / PAGE;
                     reads.dots.resize(n, 0.0);
                     let coded = std::iter::once(read::Stretch::Coded(sketch, rows));
-                    read::score(kernels, dim, queries, coded, &mut reads.dots, 1);
+                    read::score(kernels, dim, &self.scan.queries, coded, &mut reads.dots, 1);
                     let scorer = self.scan.scorer;
                     for (score, &dot) in reads.scores.set(key).iter_mut().zip(&reads.dots) {
                         *score = scorer.score(dot);
@@ -470,7 +455,7 @@ impl<'a> CacheHead<'a> {
             reads.gathered.extend_from_slice(row);
         }
         reads.dots.resize(n * m, 0.0);
-        kernels.scores_f16(dim, queries, &reads.gathered, &mut reads.dots, m);
+        kernels.scores_f16(dim, &self.scan.queries, &reads.gathered, &mut reads.dots, m);
         for (j, &(key, _)) in self.pending.iter().enumerate() {
             let scorer = self.scan.scorer;
             for (h, score) in reads.scores.set(key).iter_mut().enumerate() {
@@ -493,7 +478,7 @@ impl<'a> CacheHead<'a> {
 
     /// The score of key `key`, once read.
     fn score(&self, key: usize) -> f64 {
-        f64::from(self.reads.scores.get(key).expect("a key read")[self.g - self.reads.heads.start])
+        f64::from(self.reads.scores.get(key).expect("a key read")[self.g])
     }
 
     fn value_at(&mut self, pos: usize, out: &mut [f32]) {

@@ -6,12 +6,8 @@
 //! per KV head, the pool is scanned once for the group's query heads
 //! ([`GroupScan`]), the group draws one set of perturbations (layer, KV
 //! head, step), and each query head runs [`HeadAttention`] over its own
-//! bounds. The KV heads run in parallel, each with its own buffers; where
-//! they are fewer than the threads (Gemma 3's global layers have one), the
-//! query heads of a group are split among its share of the threads too,
-//! each part with its own buffers and reads, which changes no output or
-//! record (`tests/certified_threads.rs`). Every other call (prefill
-//! batches, short contexts) is dense.
+//! bounds. The KV heads run in parallel, each with its own buffers. Every
+//! other call (prefill batches, short contexts) is dense.
 //!
 //! Each head's record says what it did: the level it stopped at, or a
 //! fallback to exact attention (with [`Certificate::DENSE`], which exact
@@ -19,8 +15,6 @@
 //! the pool's); the bytes it read (its share of the scan, exact keys and
 //! values); and the estimate `ln D̂` (the shift added back) with
 //! the certificate's bound on the measure's scale.
-
-use std::ops::Range;
 
 use rayon::prelude::*;
 
@@ -41,12 +35,9 @@ pub struct CertifiedPolicy {
 
 /// The buffers of one KV head's group, and its records of a call.
 struct Group {
+    heads: HeadAttention,
     scan: GroupScan,
-    /// The group's query heads in contiguous parts, one per thread.
-    parts: Vec<Part>,
-    /// Which pool keys some part before the one being counted read.
-    counted: Vec<u32>,
-    stamp: u32,
+    reads: GroupReads,
     records: Vec<HeadRecord>,
 }
 
@@ -62,66 +53,10 @@ impl CertifiedPolicy {
     }
 }
 
-/// Some of a group's query heads, walked one after another on one thread,
-/// sharing their reads.
-struct Part {
-    heads: HeadAttention,
-    reads: GroupReads,
-    /// Per head of the part.
-    walks: Vec<Walk>,
-    /// The bytes of the exact set's keys, read once for the part's heads.
-    exact_bytes: usize,
-}
-
-/// One head's walk: what it did, the bytes it read beyond the group's scan,
-/// and the keys it read first in its part, with their bytes.
-struct Walk {
-    driven: Driven,
-    read: usize,
-    first_reads: Vec<(u32, u32)>,
-}
-
-impl Part {
-    fn new(params: Params) -> Self {
-        Self { heads: HeadAttention::new(params), reads: GroupReads::default(), walks: Vec::new(), exact_bytes: 0 }
-    }
-
-    /// Query heads `heads` of `kv_head`'s group, scanned by `scan`, into
-    /// `out` (theirs only).
-    fn walk(
-        &mut self,
-        call: &LayerCall,
-        kv_head: usize,
-        split: &Split,
-        scan: &GroupScan,
-        heads: Range<usize>,
-        out: &mut [f32],
-    ) {
-        self.reads.reset(scan.keys(split), split.pool.len(), heads.clone());
-        // The exact set's scores, read once for the part's heads.
-        self.exact_bytes = {
-            let mut keys = CacheHead::new(call, kv_head, split, scan, heads.start, &mut self.reads);
-            if keys.exact_len() > 0 {
-                keys.exact_score(0);
-            }
-            keys.bytes.keys
-        };
-        self.walks.clear();
-        for (g, out) in heads.zip(out.chunks_exact_mut(call.batch.head_dim_v)) {
-            self.reads.first_reads.clear();
-            let mut keys = CacheHead::new(call, kv_head, split, scan, g, &mut self.reads);
-            let driven = self.heads.attend(&mut keys, Stop::Certified, out);
-            let read = keys.bytes.keys + keys.bytes.values;
-            self.walks.push(Walk { driven, read, first_reads: self.reads.first_reads.clone() });
-        }
-    }
-}
-
 impl Group {
     /// KV head `kv_head`'s query heads, into `out` (theirs only).
     fn attend(
         &mut self,
-        params: Params,
         certificate: &Certificate,
         seed: PerturbationSeed,
         call: &LayerCall,
@@ -131,65 +66,26 @@ impl Group {
         let batch = call.batch;
         let (n_gqa, dim_v) = (batch.n_gqa, batch.head_dim_v);
         let split = Split::of(call.visible(0));
+        self.records.clear();
         let perturbations = Perturbations::new(seed, call.layer, kv_head, call.step);
         self.scan.scan(call, kv_head, &split, &perturbations);
-        let share = rayon::current_num_threads().div_ceil(batch.n_kv_head());
-        let n = share.clamp(1, n_gqa);
-        self.parts.resize_with(n, || Part::new(params));
-        self.parts.truncate(n);
-        let heads = |k: usize| n_gqa * k / n..n_gqa * (k + 1) / n;
-        let scan = &self.scan;
-        if n == 1 {
-            self.parts[0].walk(call, kv_head, &split, scan, 0..n_gqa, out);
-        } else {
-            let mut outs = Vec::with_capacity(n);
-            let mut rest = out;
-            for k in 0..n {
-                let (part, after) = rest.split_at_mut(heads(k).len() * dim_v);
-                outs.push(part);
-                rest = after;
+        self.reads.reset(self.scan.keys(&split), split.pool.len(), n_gqa);
+        // The exact set's scores, read once for the group's heads.
+        let exact = {
+            let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, 0, &mut self.reads);
+            if keys.exact_len() > 0 {
+                keys.exact_score(0);
             }
-            self.parts
-                .par_iter_mut()
-                .zip(outs)
-                .enumerate()
-                .for_each(|(k, (part, out))| part.walk(call, kv_head, &split, scan, heads(k), out));
-        }
-        self.count_first_reads(scan.keys(&split));
-        let shared = (self.scan.scanned_bytes + self.parts[0].exact_bytes) as f64 / n_gqa as f64;
-        self.records.clear();
-        for (k, part) in self.parts.iter().enumerate() {
-            for (g, walk) in heads(k).zip(&part.walks) {
-                let mut record = record(certificate, call, kv_head * n_gqa + g, &split, &walk.driven, walk.read);
-                record.bytes_read += shared;
-                self.records.push(record);
-            }
-        }
-    }
-
-    /// Takes from each head's bytes the keys it read first in its part but
-    /// that a head of an earlier part read too: what is left is what it
-    /// read first in the group, as on one thread (`keys` keys).
-    fn count_first_reads(&mut self, keys: usize) {
-        self.counted.resize(keys, 0);
-        self.stamp = self.stamp.wrapping_add(1);
-        if self.stamp == 0 {
-            self.counted.fill(0);
-            self.stamp = 1;
-        }
-        let (counted, stamp) = (&mut self.counted, self.stamp);
-        for part in &mut self.parts {
-            // Within a part each key is read first by one head at most.
-            for walk in &mut part.walks {
-                for &(key, bytes) in &walk.first_reads {
-                    if counted[key as usize] == stamp {
-                        walk.read -= bytes as usize;
-                    }
-                }
-            }
-            for &(key, _) in part.walks.iter().flat_map(|w| &w.first_reads) {
-                counted[key as usize] = stamp;
-            }
+            keys.bytes.keys
+        };
+        let shared = (self.scan.scanned_bytes + exact) as f64 / n_gqa as f64;
+        for (g, out) in out.chunks_exact_mut(dim_v).enumerate() {
+            let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, g, &mut self.reads);
+            let driven = self.heads.attend(&mut keys, Stop::Certified, out);
+            let read = keys.bytes.keys + keys.bytes.values;
+            let mut record = record(certificate, call, kv_head * n_gqa + g, &split, &driven, read);
+            record.bytes_read += shared;
+            self.records.push(record);
         }
     }
 }
@@ -238,10 +134,9 @@ impl AttentionPolicy for CertifiedPolicy {
         let batch = call.batch;
         let params = self.params;
         self.groups.resize_with(batch.n_kv_head(), || Group {
+            heads: HeadAttention::new(params),
             scan: GroupScan::default(),
-            parts: Vec::new(),
-            counted: Vec::new(),
-            stamp: 0,
+            reads: GroupReads::default(),
             records: Vec::new(),
         });
         let (certificate, seed) = (&self.certificate, self.seed);
@@ -250,7 +145,7 @@ impl AttentionPolicy for CertifiedPolicy {
             .par_iter_mut()
             .zip(out.par_chunks_exact_mut(group_len))
             .enumerate()
-            .for_each(|(kv_head, (group, out))| group.attend(params, certificate, seed, call, kv_head, out));
+            .for_each(|(kv_head, (group, out))| group.attend(certificate, seed, call, kv_head, out));
         records.extend(self.groups.iter_mut().flat_map(|g| g.records.drain(..)));
     }
 }
