@@ -58,8 +58,8 @@ pub(crate) type SketchPrepareFn = unsafe fn(
     weights: &mut [i8],
     residuals: &mut [i8],
 ) -> (crate::sketch::PrepareScales, crate::sketch::PrepareSums);
-/// Indices of the numbers at or above a threshold (see [`Kernels::select_at_least`]).
-pub(crate) type SelectFn = unsafe fn(values: &[f32], threshold: f32, out: &mut [u32]) -> usize;
+/// The first threshold each number reaches (see [`Kernels::first_levels`]).
+pub(crate) type LevelsFn = unsafe fn(values: &[f32], thresholds: &[f32], out: &mut [u8]);
 /// A page's refined bounds for a query group (see [`Kernels::sketch_refine_page`]).
 pub(crate) type SketchRefinePageFn =
     unsafe fn(coarse: &SketchCodes, fine: &SketchCodes, queries: &[RefineQuery], out: &mut [RefinedBounds]);
@@ -131,7 +131,7 @@ pub(crate) struct SketchKernels {
     pub(crate) dots: SketchDotsFn,
     pub(crate) dots_at: SketchDotsAtFn,
     pub(crate) bounds: SketchScanFn,
-    pub(crate) select: SelectFn,
+    pub(crate) levels: LevelsFn,
     pub(crate) prepare: SketchPrepareFn,
     pub(crate) refine_page: SketchRefinePageFn,
 }
@@ -370,7 +370,7 @@ const SCALAR: Kernels = Kernels {
         dots: crate::sketch::portable::dots,
         dots_at: crate::sketch::portable::dots_at,
         bounds: crate::sketch::portable::bounds,
-        select: crate::sketch::portable::select,
+        levels: crate::sketch::portable::levels,
         prepare: crate::sketch::portable::prepare,
         refine_page: crate::sketch::portable::refine_page,
     },

@@ -538,19 +538,14 @@ pub(crate) unsafe fn refine_composed<D: BlockDots>(
     }
 }
 
-/// Appends to `out[n..]` the indices `first + i` of the `values[i]` at or
-/// above `threshold`; returns the new count. A store per number and a count
-/// that grows by the comparison: no branch to mispredict.
+/// `out[i]` = how many of `thresholds` `values[i]` does not reach
+/// (`v < t` or unordered: NaN reaches none), counted one threshold after
+/// another.
 #[inline(always)]
-pub(crate) fn select_rest(values: &[f32], first: usize, threshold: f32, out: &mut [u32], mut n: usize) -> usize {
-    for (i, &v) in values.iter().enumerate() {
-        // The slot past the last selected may be written and then left.
-        if let Some(slot) = out.get_mut(n) {
-            *slot = (first + i) as u32;
-        }
-        n += usize::from(v >= threshold);
+pub(crate) fn first_levels_rest(values: &[f32], thresholds: &[f32], out: &mut [u8]) {
+    for (level, &v) in out.iter_mut().zip(values) {
+        *level = thresholds.iter().map(|&t| u8::from(v.partial_cmp(&t).is_none_or(|o| o.is_lt()))).sum();
     }
-    n
 }
 
 /// The portable table's entries.
@@ -630,9 +625,9 @@ pub(crate) mod portable {
         unsafe { refine_composed::<Portable>(coarse, fine, queries, out) }
     }
 
-    /// Table entry: [`super::select_rest`] over every number.
-    pub(crate) fn select(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
-        select_rest(values, 0, threshold, out, 0)
+    /// Table entry: [`super::first_levels_rest`] over every number.
+    pub(crate) fn levels(values: &[f32], thresholds: &[f32], out: &mut [u8]) {
+        first_levels_rest(values, thresholds, out)
     }
 
     /// Table entry: [`scan_bounds`] (lengths checked by the caller).
@@ -727,18 +722,21 @@ impl Kernels {
         unsafe { (self.sketch.refine_page)(coarse, fine, queries, out) }
     }
 
-    /// Writes to `out` the indices `i`, ascending, of the `values[i] ≥
-    /// threshold` (NaN never is), and returns how many: the keys of a pool
-    /// whose perturbed score bound reaches a level's threshold.
+    /// Writes to `out[i]`, for thresholds that do not rise, the first
+    /// level `j` with `values[i] ≥ thresholds[j]` (`thresholds.len()` where
+    /// none is reached, NaN reaching none): the level at which a pool key
+    /// whose perturbed score bound is `values[i]` can first enter, which
+    /// certified attention sorts its keys by. (For thresholds in any order
+    /// it is the count of those not reached.)
     ///
     /// # Panics
-    /// If `out` holds fewer than `values.len()` items, or there are `2^32`
-    /// values or more.
-    pub fn select_at_least(&self, values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
-        assert!(out.len() >= values.len(), "room for {} indices, not {}", values.len(), out.len());
-        assert!(u32::try_from(values.len()).is_ok(), "{} values are too many to index", values.len());
-        // SAFETY: `out` checked above; the table's ISA is supported (see `dispatch`).
-        unsafe { (self.sketch.select)(values, threshold, out) }
+    /// If `out` and `values` differ in length, or there are 256 thresholds
+    /// or more.
+    pub fn first_levels(&self, values: &[f32], thresholds: &[f32], out: &mut [u8]) {
+        assert_eq!(out.len(), values.len(), "a level per number");
+        assert!(thresholds.len() < 256, "{} thresholds: a level must fit a byte", thresholds.len());
+        // SAFETY: lengths checked above; the table's ISA is supported (see `dispatch`).
+        unsafe { (self.sketch.levels)(values, thresholds, out) }
     }
 
     /// `out[h · n + i]` = query `h`'s [`SketchQuery::bounds`] of its integer

@@ -153,24 +153,29 @@ fn check_refine(seed: u64, dim: usize, rows: usize, heads: usize) -> Result<(), 
     Ok(())
 }
 
-/// The selection on every ISA against a plain filter: random numbers, some
-/// equal to the threshold, infinities and NaN among them, every length up to
-/// a few vectors past a block.
-fn check_select(seed: u64, len: usize) -> Result<(), TestCaseError> {
+/// The first levels on every ISA against a plain search: random numbers,
+/// some equal to a threshold, infinities and NaN among them, falling
+/// thresholds (some equal), every length up to a few vectors past a block.
+fn check_levels(seed: u64, len: usize, levels: usize) -> Result<(), TestCaseError> {
     let mut rng = Rng::new(seed);
-    let threshold = rng.normal() as f32;
+    let mut thresholds: Vec<f32> = (0..levels).map(|_| (3.0 * rng.normal()) as f32).collect();
+    thresholds.sort_by(|a, b| b.total_cmp(a));
+    if levels > 2 {
+        thresholds[1] = thresholds[2];
+    }
     let values: Vec<f32> = (0..len)
         .map(|_| match rng.below(10) {
-            0 => threshold,
+            0 if levels > 0 => thresholds[rng.below(levels)],
             1 => [f32::NEG_INFINITY, f32::INFINITY, f32::NAN][rng.below(3)],
-            _ => (rng.normal() + 1.0) as f32,
+            _ => (3.0 * rng.normal()) as f32,
         })
         .collect();
-    let want: Vec<u32> = (0..len as u32).filter(|&i| values[i as usize] >= threshold).collect();
+    let want: Vec<u8> =
+        values.iter().map(|&v| thresholds.iter().position(|&t| v >= t).unwrap_or(levels) as u8).collect();
     for isa in Isa::available() {
-        let mut out = vec![u32::MAX; len];
-        let n = Kernels::for_isa(isa).unwrap().select_at_least(&values, threshold, &mut out);
-        prop_assert_eq!(&out[..n], &want[..], "selection on {} of {} numbers", isa, len);
+        let mut out = vec![u8::MAX; len];
+        Kernels::for_isa(isa).unwrap().first_levels(&values, &thresholds, &mut out);
+        prop_assert_eq!(&out, &want, "levels on {} of {} numbers, {} thresholds", isa, len, levels);
     }
     Ok(())
 }
@@ -268,8 +273,8 @@ proptest! {
     }
 
     #[test]
-    fn every_isa_selects_as_a_filter(seed in any::<u64>(), len in 0usize..200) {
-        check_select(seed, len)?;
+    fn every_isa_finds_first_levels_as_a_search(seed in any::<u64>(), len in 0usize..300, levels in 0usize..60) {
+        check_levels(seed, len, levels)?;
     }
 }
 

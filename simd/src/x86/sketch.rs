@@ -190,7 +190,14 @@ unsafe fn refine_group<'a, 'q: 'a, I: IsaOps, const G: usize>(
             // SAFETY: the caller's ISA guarantee; every load is of a whole vector.
             unsafe {
                 for m in (0..whole).step_by(VECTOR) {
-                    let weights = planes.map(|p| p.map(|plane| load32(first::<i8>(&plane[m..]))));
+                    // (Loops, not `array::map`, whose closures are not
+                    // always inlined in this innermost loop.)
+                    let mut weights = [[zero; 4]; G];
+                    for (weights, planes) in weights.iter_mut().zip(&planes) {
+                        for (w, plane) in weights.iter_mut().zip(planes) {
+                            *w = load32(first::<i8>(&plane[m..]));
+                        }
+                    }
                     refine_bytes::<I, G>(
                         &mut acc,
                         load32(first::<u8>(&c[m..])),
@@ -199,7 +206,12 @@ unsafe fn refine_group<'a, 'q: 'a, I: IsaOps, const G: usize>(
                     );
                 }
                 if whole < len {
-                    let weights = tails.map(|p| p.map(|plane| load32(&plane)));
+                    let mut weights = [[zero; 4]; G];
+                    for (weights, tails) in weights.iter_mut().zip(&tails) {
+                        for (w, tail) in weights.iter_mut().zip(tails) {
+                            *w = load32(tail);
+                        }
+                    }
                     let (c, f) = (padded::<u8, VECTOR>(&c[whole..]), padded::<u8, VECTOR>(&f[whole..]));
                     refine_bytes::<I, G>(&mut acc, load32(&c), load32(&f), &weights);
                 }
@@ -335,58 +347,73 @@ sketch_entries!(avx2, Avx2, refine_composed, "avx2,fma,f16c");
 sketch_entries!(avxvnni, AvxVnni, refine_fused, "avx2,fma,f16c,avxvnni");
 sketch_entries!(avx512, Avx512, refine_fused, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
 
-/// `Kernels::select_at_least` on AVX2: eight comparisons a vector, their
-/// mask's set bits written out one by one (the keys selected are few).
+/// `Kernels::first_levels` on AVX2: thirty-two numbers at a time, in four
+/// vectors of counts, each threshold broadcast once for all four and its
+/// "not reached" mask (all ones, −1) subtracted; the counts packed to bytes.
 ///
 /// # Safety
-/// The CPU must support AVX2; `out` holds at least `values.len()` items.
+/// The CPU must support AVX2; `out` holds `values.len()` items and
+/// `thresholds` fewer than 256.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn select_at_least_avx2(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
-    let (chunks, rest) = values.as_chunks::<8>();
-    let t = _mm256_set1_ps(threshold);
-    let mut n = 0;
-    for (c, chunk) in chunks.iter().enumerate() {
-        // SAFETY: the chunk holds the eight numbers loaded.
-        let v = unsafe { _mm256_loadu_ps(chunk.as_ptr()) };
-        let mut mask = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(v, t)) as u32;
-        while mask != 0 {
-            out[n] = (c * 8) as u32 + mask.trailing_zeros();
-            n += 1;
-            mask &= mask - 1;
+unsafe fn first_levels_avx2(values: &[f32], thresholds: &[f32], out: &mut [u8]) {
+    let (chunks, rest) = values.as_chunks::<32>();
+    let (outs, rest_out) = out.as_chunks_mut::<32>();
+    for (chunk, out) in chunks.iter().zip(outs) {
+        // SAFETY: the chunk holds the thirty-two numbers loaded.
+        let at = |k: usize| chunk[k..].as_ptr();
+        let v = unsafe {
+            [_mm256_loadu_ps(at(0)), _mm256_loadu_ps(at(8)), _mm256_loadu_ps(at(16)), _mm256_loadu_ps(at(24))]
+        };
+        let mut counts = [_mm256_setzero_si256(); 4];
+        for &t in thresholds {
+            let t = _mm256_set1_ps(t);
+            for (count, &v) in counts.iter_mut().zip(&v) {
+                let missed = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_NGE_UQ>(v, t));
+                *count = _mm256_sub_epi32(*count, missed);
+            }
         }
+        // Within each 128-bit half the packs interleave their inputs' halves;
+        // the permutation puts the four-byte groups back in order.
+        let words =
+            _mm256_packus_epi16(_mm256_packs_epi32(counts[0], counts[1]), _mm256_packs_epi32(counts[2], counts[3]));
+        let bytes = _mm256_permutevar8x32_epi32(words, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: `out` holds the thirty-two bytes stored.
+        unsafe { _mm256_storeu_si256(out.as_mut_ptr().cast(), bytes) };
     }
-    crate::sketch::select_rest(rest, values.len() - rest.len(), threshold, out, n)
+    crate::sketch::first_levels_rest(rest, thresholds, rest_out);
 }
 
-/// `Kernels::select_at_least` on AVX-512: sixteen comparisons a vector, the
-/// selected indices compressed in a register and stored whole (a store to
-/// memory under a compress mask is slow on Zen 4); the store's spare lanes
-/// land on items that later ones overwrite, or past the count.
+/// `Kernels::first_levels` on AVX-512: sixty-four numbers at a time, in
+/// four vectors of counts, each threshold broadcast once for all four and
+/// added under its "not reached" mask; the counts narrowed to bytes.
 ///
 /// # Safety
-/// The CPU must support AVX-512F; `out` holds at least `values.len()` items.
+/// The CPU must support AVX-512F; `out` holds `values.len()` items and
+/// `thresholds` fewer than 256.
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-unsafe fn select_at_least_avx512(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
-    let (chunks, rest) = values.as_chunks::<16>();
-    let t = _mm512_set1_ps(threshold);
-    let sixteen = _mm512_set1_epi32(16);
-    let mut index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    let mut n = 0;
-    for chunk in chunks {
-        // SAFETY: the chunk holds the sixteen numbers loaded.
-        let v = unsafe { _mm512_loadu_ps(chunk.as_ptr()) };
-        let mask = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(v, t);
-        if mask != 0 {
-            // SAFETY: `n` is at most the chunk's first index, so the sixteen
-            // items stored lie within `out`, which holds `values.len()`.
-            unsafe {
-                _mm512_storeu_epi32(out[n..n + 16].as_mut_ptr().cast(), _mm512_maskz_compress_epi32(mask, index))
-            };
-            n += mask.count_ones() as usize;
+unsafe fn first_levels_avx512(values: &[f32], thresholds: &[f32], out: &mut [u8]) {
+    let (chunks, rest) = values.as_chunks::<64>();
+    let (outs, rest_out) = out.as_chunks_mut::<64>();
+    let one = _mm512_set1_epi32(1);
+    for (chunk, out) in chunks.iter().zip(outs) {
+        // SAFETY: the chunk holds the sixty-four numbers loaded.
+        let at = |k: usize| chunk[k..].as_ptr();
+        let v = unsafe {
+            [_mm512_loadu_ps(at(0)), _mm512_loadu_ps(at(16)), _mm512_loadu_ps(at(32)), _mm512_loadu_ps(at(48))]
+        };
+        let mut counts = [_mm512_setzero_si512(); 4];
+        for &t in thresholds {
+            let t = _mm512_set1_ps(t);
+            for (count, &v) in counts.iter_mut().zip(&v) {
+                *count = _mm512_mask_add_epi32(*count, _mm512_cmp_ps_mask::<_CMP_NGE_UQ>(v, t), *count, one);
+            }
         }
-        index = _mm512_add_epi32(index, sixteen);
+        for (k, &count) in counts.iter().enumerate() {
+            // SAFETY: `out` holds the sixteen bytes stored at `16·k`.
+            unsafe { _mm_storeu_si128(out[16 * k..].as_mut_ptr().cast(), _mm512_cvtepi32_epi8(count)) };
+        }
     }
-    crate::sketch::select_rest(rest, values.len() - rest.len(), threshold, out, n)
+    crate::sketch::first_levels_rest(rest, thresholds, rest_out);
 }
 
 /// Eight numbers of `x` from `c` on, zeros past its end.
@@ -512,22 +539,22 @@ unsafe fn prepare_entry(
     unsafe { prepare_avx2(q, min, step, weights, residuals) }
 }
 
-/// Table entry over [`select_at_least_avx2`].
+/// Table entry over [`first_levels_avx2`].
 ///
 /// # Safety
-/// As [`select_at_least_avx2`].
-unsafe fn select_avx2(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+/// As [`first_levels_avx2`].
+unsafe fn levels_avx2(values: &[f32], thresholds: &[f32], out: &mut [u8]) {
     // SAFETY: passed on.
-    unsafe { select_at_least_avx2(values, threshold, out) }
+    unsafe { first_levels_avx2(values, thresholds, out) }
 }
 
-/// Table entry over [`select_at_least_avx512`].
+/// Table entry over [`first_levels_avx512`].
 ///
 /// # Safety
-/// As [`select_at_least_avx512`].
-unsafe fn select_avx512(values: &[f32], threshold: f32, out: &mut [u32]) -> usize {
+/// As [`first_levels_avx512`].
+unsafe fn levels_avx512(values: &[f32], thresholds: &[f32], out: &mut [u8]) {
     // SAFETY: passed on.
-    unsafe { select_at_least_avx512(values, threshold, out) }
+    unsafe { first_levels_avx512(values, thresholds, out) }
 }
 
 /// The AVX2 scan entries.
@@ -536,7 +563,7 @@ pub(super) const AVX2: SketchKernels = SketchKernels {
     dots_at: avx2::dots_at,
     bounds: avx2::bounds,
     refine_page: avx2::refine_page,
-    select: select_avx2,
+    levels: levels_avx2,
     prepare: prepare_entry,
 };
 
@@ -546,7 +573,7 @@ pub(super) const AVXVNNI: SketchKernels = SketchKernels {
     dots_at: avxvnni::dots_at,
     bounds: avxvnni::bounds,
     refine_page: avxvnni::refine_page,
-    select: select_avx2,
+    levels: levels_avx2,
     prepare: prepare_entry,
 };
 
@@ -556,6 +583,6 @@ pub(super) const AVX512: SketchKernels = SketchKernels {
     dots_at: avx512::dots_at,
     bounds: avx512::bounds,
     refine_page: avx512::refine_page,
-    select: select_avx512,
+    levels: levels_avx512,
     prepare: prepare_entry,
 };

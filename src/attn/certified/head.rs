@@ -20,23 +20,25 @@
 //!    (measured: keys read 100% on PG-19 at `-c 8192`), for a shift at most
 //!    the bounds' width higher, which moves the grid by as many levels.
 //! 2. **Candidates.** Key `i` enters at level `j` when
-//!    `s_i − c + E_i ≥ ln τ_j`, so it can only if `p_i ≥ c + ln τ_j`. At
-//!    level `j` the keys with `p_i ≥ T_j`, `T_j` that threshold rounded
-//!    down to f32 (and lowered by far more than the f64 rounding of the
-//!    entry rule), are selected in one vectorized pass
-//!    ([`simd::Kernels::select_at_least`]); keys that entered are marked
-//!    `p_i = −∞`, so the selection is exactly the keys not yet in the
-//!    sample that may enter now.
+//!    `s_i − c + E_i ≥ ln τ_j`, so it can only if `p_i ≥ c + ln τ_j`. With
+//!    `T_j` that threshold rounded down to f32 (and lowered by far more than
+//!    the f64 rounding of the entry rule), the keys are sorted once, by
+//!    counting, by the first level `j` with `T_j ≤ p_i` ([`Buckets`]; keys
+//!    that reach no level are never read), and level `j` looks at its
+//!    bucket alone, in ascending key order.
 //! 3. **Levels.** Each candidate is refined once (its `p_i` replaced by the
-//!    tighter bound), then, if it still reaches `T_j`, scored exactly, and
-//!    its `p_i` becomes its exact perturbed score rounded up. A key whose
-//!    exact perturbed log-weight reaches `ln τ_j` enters the sample, and its
-//!    value is read. It enters as heavy if `w_i ≥ τ_j`, else as light, to be
-//!    promoted at the level where it becomes heavy. A key that does not
-//!    enter keeps its tighter `p_i` and is selected again no earlier than
-//!    its bound allows. Then the level's certificate
+//!    tighter bound), then, if it still reaches `T_j`, scored exactly; if
+//!    not, it moves to the bucket of the first level its refined bound
+//!    reaches. A key whose exact perturbed log-weight reaches `ln τ_j`
+//!    enters the sample, and its value is read; one that does not moves to
+//!    the bucket of the level it enters at, known now (or leaves, if it
+//!    enters at none), and enters there without another read. It enters as
+//!    heavy if `w_i ≥ τ_j`, else as light, to be promoted at the level
+//!    where it becomes heavy. Then the level's certificate
 //!    ([`super::certificate`]) is computed; the first that meets `ε` is the
-//!    answer.
+//!    answer. (This reads, scores and samples at each level exactly the keys
+//!    that selecting every key with `p_i ≥ T_j` anew at every level would,
+//!    in the same order, so the sums are the same to the last bit.)
 //! 4. **Fallback.** If no level certifies, the head's attention is computed
 //!    exactly over every visible key, and the record says so.
 //!
@@ -151,16 +153,18 @@ pub struct HeadAttention {
     sums: LevelSums,
     /// The exact set's scores.
     exact_scores: Vec<f64>,
-    /// Per pool key: `p_i ≥ s_i + E_i`, the tightest bound known; `−∞`
-    /// once the key is in the sample.
+    /// Per pool key: `p_i ≥ s_i + E_i`, the tightest bound known.
     perturbed: Vec<f32>,
     read: Vec<Read>,
+    /// Per pool key: its exact score, where `read` says it is scored.
+    scores: Vec<f64>,
+    buckets: Buckets,
     /// Per level: the sampled light keys (row in `light_rows`, weight) that
     /// become heavy there.
     promotions: Vec<Vec<(u32, f64)>>,
     light_rows: Vec<f32>,
-    /// The candidates of the level being processed, and their bounds or
-    /// scores, a batch at a time.
+    /// The candidates of the level being processed (its bucket), and the
+    /// bounds or scores of some of them.
     candidates: Vec<u32>,
     batch: Vec<u32>,
     numbers: Vec<f64>,
@@ -179,6 +183,8 @@ impl HeadAttention {
             exact_scores: Vec::new(),
             perturbed: Vec::new(),
             read: Vec::new(),
+            scores: Vec::new(),
+            buckets: Buckets::default(),
             promotions: vec![Vec::new(); params.grid.levels()],
             light_rows: Vec::new(),
             candidates: Vec::new(),
@@ -222,7 +228,8 @@ impl HeadAttention {
         keys.perturbed_uppers(&mut self.perturbed);
         self.read.clear();
         self.read.resize(pool, Read::Scanned);
-        self.candidates.resize(pool, 0);
+        self.scores.resize(pool, 0.0);
+        self.buckets.sort(&self.perturbed, c, &grid);
         let last = match stop {
             Stop::Certified => grid.last,
             Stop::AtLevel(j) => j.min(grid.last),
@@ -252,27 +259,21 @@ impl HeadAttention {
         record
     }
 
-    /// Processes level `j`: promotions due at `j`, then the keys whose bound
-    /// reaches the level, each read no further than it must be.
+    /// Processes level `j`: promotions due at `j`, then the keys of its
+    /// bucket, each read no further than it must be.
     fn enter(&mut self, keys: &mut impl HeadKeys, j: usize, c: f64, record: &mut HeadRecord) {
         let grid = self.params.grid;
         let dim = keys.value_dim();
         for &(row, w) in &self.promotions[j] {
             self.sums.promote(w, &self.light_rows[row as usize * dim..][..dim]);
         }
-        let log_tau = grid.log_threshold(j);
-        // Far below the level's threshold by more than the entry rule's f64
-        // rounding, then rounded down to f32: every key that may enter has
-        // `p_i` at or above it.
-        let threshold = f32_down(c + log_tau - 1e-9 * (1.0 + c.abs()));
-        let n = simd::kernels().select_at_least(&self.perturbed, threshold, &mut self.candidates);
-        if n == 0 {
+        self.buckets.take(j, &mut self.candidates);
+        if self.candidates.is_empty() {
             return;
         }
-        // Refine the keys seen for the first time; those whose refined
-        // bound falls below the level wait.
+        // Refine the keys seen for the first time.
         self.batch.clear();
-        self.batch.extend(self.candidates[..n].iter().copied().filter(|&i| self.read[i as usize] == Read::Scanned));
+        self.batch.extend(self.candidates.iter().copied().filter(|&i| self.read[i as usize] == Read::Scanned));
         if keys.refines() && !self.batch.is_empty() {
             self.numbers.resize(self.batch.len(), 0.0);
             keys.refine(&self.batch, &mut self.numbers);
@@ -283,30 +284,51 @@ impl HeadAttention {
                 self.perturbed[i] = self.perturbed[i].min(f32_up(bound));
             }
         }
+        // Score the keys whose bound still reaches the level; the others wait
+        // for the level it reaches. (Keys scored already enter here.)
         self.batch.clear();
-        let (perturbed, candidates) = (&self.perturbed, &self.candidates[..n]);
-        self.batch.extend(candidates.iter().copied().filter(|&i| perturbed[i as usize] >= threshold));
-        if self.batch.is_empty() {
-            return;
-        }
-        self.numbers.resize(self.batch.len(), 0.0);
-        keys.pool_scores(&self.batch, &mut self.numbers);
-        for k in 0..self.batch.len() {
-            let (i, s) = (self.batch[k] as usize, self.numbers[k]);
-            if self.read[i] != Read::Scored {
-                self.read[i] = Read::Scored;
-                record.scored += 1;
-            }
-            let e = keys.perturbation(i);
-            let entry = grid.level_of(s - c + e);
-            debug_assert!(entry.is_none_or(|e| e >= j), "a score above its bound");
-            if entry.is_none_or(|e| e > j) {
-                // Selected again no earlier than its exact level (less the
-                // margin).
-                self.perturbed[i] = if entry.is_some() { f32_up(s + e) } else { f32::NEG_INFINITY };
+        let threshold = self.buckets.threshold(j);
+        for &i in &self.candidates {
+            let (read, p) = (self.read[i as usize], self.perturbed[i as usize]);
+            if read == Read::Scored {
                 continue;
             }
-            self.perturbed[i] = f32::NEG_INFINITY;
+            if p >= threshold {
+                self.batch.push(i);
+            } else {
+                self.buckets.postpone(i, self.buckets.first_level(p));
+            }
+        }
+        self.numbers.resize(self.batch.len(), 0.0);
+        if !self.batch.is_empty() {
+            keys.pool_scores(&self.batch, &mut self.numbers);
+        }
+        // In key order: the keys just scored (the batch is in that order)
+        // that enter now, and those scored before, due now.
+        let mut scored = 0;
+        for k in 0..self.candidates.len() {
+            let i = self.candidates[k] as usize;
+            let s = if self.batch.get(scored) == Some(&(i as u32)) {
+                let s = self.numbers[scored];
+                scored += 1;
+                self.read[i] = Read::Scored;
+                self.scores[i] = s;
+                record.scored += 1;
+                let entry = grid.level_of(s - c + keys.perturbation(i));
+                debug_assert!(entry.is_none_or(|e| e >= j), "a score above its bound");
+                match entry {
+                    Some(e) if e == j => s,
+                    Some(later) => {
+                        self.buckets.postpone(i as u32, later);
+                        continue;
+                    }
+                    None => continue,
+                }
+            } else if self.read[i] == Read::Scored {
+                self.scores[i]
+            } else {
+                continue;
+            };
             record.values_read += 1;
             keys.pool_value(i, &mut self.value);
             let w = (s - c).exp();
@@ -353,6 +375,90 @@ impl HeadAttention {
     }
 }
 
+/// The pool keys sorted by the level at which each is next looked at.
+///
+/// Level `j`'s threshold is `T_j`, `c + ln τ_j` lowered past the entry
+/// rule's rounding and rounded down to f32; the thresholds fall with `j`.
+/// A key with bound `p_i` is first looked at on the first level with
+/// `T_j ≤ p_i` ([`simd::Kernels::first_levels`]): [`Self::sort`] puts the
+/// keys in order of that level by counting (one pass to count, one to
+/// place), and a key the level's reads
+/// postpone is [`Self::postpone`]d to a later level's list.
+#[derive(Default)]
+struct Buckets {
+    /// `T_j` per level.
+    thresholds: Vec<f32>,
+    /// Per pool key: the first level its scanned bound reaches
+    /// (`thresholds.len()` for none).
+    first: Vec<u8>,
+    /// The keys by first level, ascending within one: level `j`'s are
+    /// `sorted[starts[j]..starts[j + 1]]`.
+    sorted: Vec<u32>,
+    starts: Vec<u32>,
+    /// Per level: keys postponed to it, in no order.
+    postponed: Vec<Vec<u32>>,
+}
+
+impl Buckets {
+    /// Sorts the keys of bounds `perturbed` by their first level under
+    /// shift `c`.
+    fn sort(&mut self, perturbed: &[f32], c: f64, grid: &Grid) {
+        let levels = grid.levels();
+        let margin = 1e-9 * (1.0 + c.abs());
+        self.thresholds.clear();
+        self.thresholds.extend((0..levels).map(|j| f32_down(c + grid.log_threshold(j) - margin)));
+        self.postponed.resize_with(levels, Vec::new);
+        self.postponed.iter_mut().for_each(Vec::clear);
+        self.starts.clear();
+        self.starts.resize(levels + 2, 0);
+        self.first.resize(perturbed.len(), 0);
+        simd::kernels().first_levels(perturbed, &self.thresholds, &mut self.first);
+        // Counts at `starts[j + 1]`, then their sums, then each key placed.
+        for &j in &self.first {
+            self.starts[usize::from(j) + 1] += 1;
+        }
+        for j in 1..self.starts.len() {
+            self.starts[j] += self.starts[j - 1];
+        }
+        self.sorted.resize(perturbed.len(), 0);
+        let mut next = self.starts.clone();
+        for (i, &j) in self.first.iter().enumerate() {
+            let slot = &mut next[usize::from(j)];
+            self.sorted[*slot as usize] = i as u32;
+            *slot += 1;
+        }
+    }
+
+    fn threshold(&self, j: usize) -> f32 {
+        self.thresholds[j]
+    }
+
+    /// The first level `j` with `T_j ≤ p` (`thresholds.len()` for none).
+    fn first_level(&self, p: f32) -> usize {
+        let mut level = [0];
+        simd::kernels().first_levels(&[p], &self.thresholds, &mut level);
+        usize::from(level[0])
+    }
+
+    /// Level `j`'s keys, ascending, into `out`.
+    fn take(&mut self, j: usize, out: &mut Vec<u32>) {
+        out.clear();
+        out.extend_from_slice(&self.sorted[self.starts[j] as usize..self.starts[j + 1] as usize]);
+        let postponed = &mut self.postponed[j];
+        if !postponed.is_empty() {
+            out.append(postponed);
+            out.sort_unstable();
+        }
+    }
+
+    /// Key `i` waits for level `j` (if a level: `j < thresholds.len()`).
+    fn postpone(&mut self, i: u32, j: usize) {
+        if let Some(list) = self.postponed.get_mut(j) {
+            list.push(i);
+        }
+    }
+}
+
 /// The least f32 at or above `x` (`+∞` above f32's range).
 pub fn f32_up(x: f64) -> f32 {
     let y = x as f32;
@@ -370,5 +476,173 @@ pub fn f32_down(x: f64) -> f32 {
         y.next_down()
     } else {
         y
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rand::rngs::StdRng;
+    use rand::{RngExt, SeedableRng};
+
+    use super::*;
+
+    /// What a walk asked of its keys, in order.
+    #[derive(Debug, PartialEq)]
+    enum Asked {
+        Refined(Vec<u32>),
+        /// Keys scored for the first time.
+        Scored(Vec<u32>),
+        Value(usize),
+    }
+
+    /// A pool with random scores, perturbations and loose bounds above them,
+    /// which logs what it is asked.
+    struct Pool {
+        exact: Vec<f64>,
+        scores: Vec<f64>,
+        exponentials: Vec<f64>,
+        /// `p_i ≥ s_i + E_i`, and the refined bound (between the two).
+        uppers: Vec<f32>,
+        refined: Vec<f64>,
+        lower_max: f64,
+        asked: Vec<Asked>,
+        seen: Vec<bool>,
+    }
+
+    impl Pool {
+        fn new(seed: u64, len: usize) -> Self {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let spread = rng.random_range(0.5..6.0);
+            let scores: Vec<f64> = (0..len).map(|_| spread * (rng.random::<f64>() - 0.5) * 4.0).collect();
+            let exponentials: Vec<f64> = (0..len).map(|_| -(1.0 - rng.random::<f64>()).ln()).collect();
+            let slack: Vec<f64> = (0..len).map(|_| rng.random::<f64>() * 3.0).collect();
+            let uppers = (0..len).map(|i| f32_up(scores[i] + slack[i] + exponentials[i] + 0.06)).collect();
+            let refined = (0..len).map(|i| scores[i] + slack[i] / 4.0 + exponentials[i]).collect();
+            let lower_max = (0..len).map(|i| scores[i] - slack[i]).fold(f64::NEG_INFINITY, f64::max);
+            let exact = (0..8).map(|_| spread * (rng.random::<f64>() - 0.5)).collect();
+            Self { exact, scores, exponentials, uppers, refined, lower_max, asked: Vec::new(), seen: vec![false; len] }
+        }
+
+        fn shift(&self) -> f64 {
+            self.exact.iter().copied().fold(self.lower_max, f64::max)
+        }
+    }
+
+    impl HeadKeys for Pool {
+        fn value_dim(&self) -> usize {
+            2
+        }
+        fn exact_len(&self) -> usize {
+            self.exact.len()
+        }
+        fn exact_score(&mut self, i: usize) -> f64 {
+            self.exact[i]
+        }
+        fn exact_value(&mut self, i: usize, out: &mut [f32]) {
+            out.fill(i as f32);
+        }
+        fn pool_len(&self) -> usize {
+            self.scores.len()
+        }
+        fn pool_lower_max(&self) -> f64 {
+            self.lower_max
+        }
+        fn perturbed_uppers(&self, out: &mut [f32]) {
+            out.copy_from_slice(&self.uppers);
+        }
+        fn refines(&self) -> bool {
+            true
+        }
+        fn refine(&mut self, indices: &[u32], out: &mut [f64]) {
+            self.asked.push(Asked::Refined(indices.to_vec()));
+            for (o, &i) in out.iter_mut().zip(indices) {
+                *o = self.refined[i as usize];
+            }
+        }
+        fn pool_scores(&mut self, indices: &[u32], out: &mut [f64]) {
+            let fresh: Vec<u32> = indices.iter().copied().filter(|&i| !self.seen[i as usize]).collect();
+            fresh.iter().for_each(|&i| self.seen[i as usize] = true);
+            if !fresh.is_empty() {
+                self.asked.push(Asked::Scored(fresh));
+            }
+            for (o, &i) in out.iter_mut().zip(indices) {
+                *o = self.scores[i as usize];
+            }
+        }
+        fn pool_value(&mut self, i: usize, out: &mut [f32]) {
+            self.asked.push(Asked::Value(i));
+            out.fill(self.scores[i] as f32);
+        }
+        fn perturbation(&mut self, i: usize) -> f64 {
+            self.exponentials[i]
+        }
+        fn value_norm_max(&self) -> f64 {
+            1e3
+        }
+    }
+
+    /// What a walk down to level `last` asks under the rule the buckets
+    /// replace: at every level, every key not yet in the sample whose bound
+    /// reaches the level's threshold is selected anew, refined if seen for
+    /// the first time, scored if its bound still reaches the threshold, and
+    /// sampled if its exact perturbed log-weight does.
+    fn selected_anew(pool: &Pool, last: usize) -> Vec<Asked> {
+        let grid = Grid::default();
+        let c = pool.shift();
+        let len = pool.scores.len();
+        let mut p = pool.uppers.clone();
+        let (mut refined, mut scored) = (vec![false; len], vec![false; len]);
+        let mut asked = Vec::new();
+        for j in 0..=last {
+            let threshold = f32_down(c + grid.log_threshold(j) - 1e-9 * (1.0 + c.abs()));
+            let selected: Vec<usize> = (0..len).filter(|&i| p[i] >= threshold).collect();
+            let fresh: Vec<u32> = selected.iter().filter(|&&i| !refined[i]).map(|&i| i as u32).collect();
+            for &i in &fresh {
+                refined[i as usize] = true;
+                p[i as usize] = p[i as usize].min(f32_up(pool.refined[i as usize]));
+            }
+            if !fresh.is_empty() {
+                asked.push(Asked::Refined(fresh));
+            }
+            let batch: Vec<usize> = selected.into_iter().filter(|&i| p[i] >= threshold).collect();
+            let first: Vec<u32> = batch.iter().filter(|&&i| !scored[i]).map(|&i| i as u32).collect();
+            if !first.is_empty() {
+                asked.push(Asked::Scored(first));
+            }
+            for i in batch {
+                scored[i] = true;
+                let (s, e) = (pool.scores[i], pool.exponentials[i]);
+                match grid.level_of(s - c + e) {
+                    Some(entry) if entry <= j => {
+                        p[i] = f32::NEG_INFINITY;
+                        asked.push(Asked::Value(i));
+                    }
+                    Some(_) => p[i] = f32_up(s + e),
+                    None => p[i] = f32::NEG_INFINITY,
+                }
+            }
+        }
+        asked
+    }
+
+    #[test]
+    fn buckets_read_and_sample_what_selecting_anew_at_every_level_would() {
+        let params = Params::default();
+        let mut walk = HeadAttention::new(params);
+        let mut out = [0.0; 2];
+        let mut levels_reached = 0;
+        for seed in 0..40 {
+            for last in [3, 12, params.grid.last] {
+                let mut pool = Pool::new(seed, 1000 + 37 * seed as usize);
+                let want = selected_anew(&pool, last);
+                let record = walk.attend(&mut pool, Stop::AtLevel(last), &mut out);
+                assert_eq!(record.level, Some(last));
+                assert!(pool.asked == want, "seed {seed}, down to level {last}: the walks differ");
+                let values = want.iter().filter(|a| matches!(a, Asked::Value(_))).count();
+                assert_eq!(record.values_read, values);
+                levels_reached += usize::from(values > 0);
+            }
+        }
+        assert!(levels_reached > 100, "the pools sample too little to compare ({levels_reached})");
     }
 }
