@@ -558,7 +558,8 @@ fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
         .iter()
         .map(|&(tau, budget, recent_rows)| {
             let delta = calibration.as_ref().map_or(settings.delta, |c| c.delta_for(recent_rows));
-            let settings = RouteSettings { tau, budget, recent_rows, delta, ..settings.clone() };
+            let pattern_deltas = calibration.as_ref().map_or(vec![], |c| c.pattern_deltas(recent_rows));
+            let settings = RouteSettings { tau, budget, recent_rows, delta, pattern_deltas, ..settings.clone() };
             GpuPrefill::new(gpu, &model).unwrap().with_routing(settings).unwrap()
         })
         .collect();

@@ -346,7 +346,8 @@ fn compare(
     if let Some(c) = &calibrated {
         println!("  {}", describe_calibration(c));
     }
-    let settings = RouteSettings { budget, tau, recent_rows, delta, ..RouteSettings::default() };
+    let pattern_deltas = calibrated.as_ref().map_or(vec![], |c| c.pattern_deltas(recent_rows));
+    let settings = RouteSettings { budget, tau, recent_rows, delta, pattern_deltas, ..RouteSettings::default() };
     let routed = RoutedAttention::new(ctx, path, (d, hq / hk), settings.clone(), Some(profile.clone()))?;
     let measured = GpuInputs::upload(ctx, &inputs.make((hq, hk, d), n, rows, false)?, &shapes, d as usize)?;
     measured.dense(ctx, &dense)?;

@@ -277,6 +277,7 @@ impl GpuArgs {
         match CalibrationFile::load(&file) {
             Ok(c) => {
                 settings.delta = c.delta_for(settings.recent_rows);
+                settings.pattern_deltas = c.pattern_deltas(settings.recent_rows);
                 settings.delta_source = sift::gpu::report::Calibration {
                     delta: settings.delta,
                     quantile: c.quantile,

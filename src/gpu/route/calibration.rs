@@ -112,6 +112,12 @@ impl CalibrationFile {
         }
     }
 
+    /// Each pattern's δ of the bound in use, as [`Self::delta_for`] picks.
+    pub fn pattern_deltas(&self, recent_rows: bool) -> Vec<(Pattern, f64)> {
+        let recent = recent_rows && self.delta_recent.is_some();
+        self.patterns.iter().map(|p| (p.pattern, if recent { p.delta_recent } else { p.delta })).collect()
+    }
+
     /// The default file for a model of these hyper-parameters.
     pub fn file(hp: &crate::model::hparams::HParams) -> PathBuf {
         let name = format!(
@@ -171,11 +177,20 @@ mod tests {
         assert!((c.delta - 0.074).abs() < 1e-12, "{c:?}");
         assert!((c.delta_for(true) - 0.064).abs() < 1e-12, "{c:?}");
         assert_eq!(c.patterns.len(), 1, "{c:?}");
+        assert_eq!(c.pattern_deltas(false), vec![(Pattern::BlockSparse, c.delta)]);
         // Over both patterns, the 190th of 200: A-shape's 90th, 0.089 + 0.48.
         let both = CalibrationFile::from_residuals(&residuals, 0.95, "m".into(), vec![], 0).unwrap();
         assert!((both.delta - 0.569).abs() < 1e-12, "{both:?}");
         let ashape = both.patterns.iter().find(|p| p.pattern == Pattern::AShape).unwrap();
         assert!((ashape.delta - 0.574).abs() < 1e-12 && ashape.residuals == 100, "{both:?}");
+        // Routing bounds each pattern by its own δ: block-sparse's, not the pooled one.
+        let settings = crate::gpu::route::RouteSettings {
+            delta: both.delta,
+            pattern_deltas: both.pattern_deltas(false),
+            ..Default::default()
+        };
+        assert!((settings.delta_of(Pattern::BlockSparse) - 0.074).abs() < 1e-12, "{settings:?}");
+        assert_eq!(settings.delta_of(Pattern::VerticalSlash), both.delta);
         let low = [Residual { pattern: Pattern::AShape, mean: -0.1, recent: -0.2 }];
         let low = CalibrationFile::from_residuals(&low, 0.95, "m".into(), vec![], 0).unwrap();
         assert_eq!((low.delta, low.delta_for(true)), (0.0, 0.0));

@@ -154,9 +154,9 @@ impl RoutedAttention {
                     .collect()
             })
             .collect();
-        let lower = |e: &Estimate| {
+        let lower = |pattern: Pattern, e: &Estimate| {
             let kept = if self.settings.recent_rows { e.mass.min(e.worst_recent) } else { e.mass };
-            (kept - self.settings.delta).max(0.0)
+            (kept - self.settings.delta_of(pattern)).max(0.0)
         };
         let time = |c: Candidate, mask: &Mask| {
             self.profile.as_ref().and_then(|p| p.mask_time_us(c, mask, query_blocks.clone(), kv_len)).unwrap_or(0.0)
@@ -168,7 +168,7 @@ impl RoutedAttention {
                 o.iter()
                     .map(|(c, mask, e)| Choice {
                         risk: e.risk(self.settings.alpha),
-                        lower: lower(e),
+                        lower: lower(c.pattern, e),
                         time_us: time(*c, mask),
                     })
                     .collect()
@@ -206,7 +206,7 @@ impl RoutedAttention {
             .map(|(h, (mut o, &i))| {
                 let (candidate, mask, estimate) = o.swap_remove(i);
                 let fallback = plan.as_ref().is_some_and(|p| p.fallback[h]);
-                Chosen { candidate, lower: lower(&estimate), mask, estimate, fallback }
+                Chosen { candidate, lower: lower(candidate.pattern, &estimate), mask, estimate, fallback }
             })
             .collect();
         let routing_ms = routing_started.elapsed().as_secs_f64() * 1e3;
