@@ -14,8 +14,9 @@
 // loads) times 64 / HEADS tokens, as 4 blocks of 16 rows of one head. Subgroup
 // s works on row block s / 2 and keeps its D / 16 tiles of Q in registers for
 // the whole call. Keys and values come 32 positions at a time, copied into
-// workgroup memory by all 256 invocations. For each such block the 64 × 32
-// scores S = Q·Kᵀ are computed as 16 × 16 × 16 products with f16 operands and
+// workgroup memory by all 256 invocations; each tile is loaded into
+// registers while the one before it is computed (`fetch`, then `stage`).
+// For each such block the 64 × 32 scores S = Q·Kᵀ are computed as 16 × 16 × 16 products with f16 operands and
 // f32 accumulators (subgroup s: keys 16·(s % 2)) and written to workgroup
 // memory, where the softmax reads them element by element.
 //
@@ -89,29 +90,50 @@ fn visible(t: u32, j: u32) -> bool {
     return j < shape.pos0 + shape.n && j <= t && (shape.window == 0u || t - j < shape.window);
 }
 
-// The keys (and, with `values`, values) of span entries e0 .. e0 + 32 into
-// workgroup memory, with their positions.
-fn stage(blk: Block, span: Span, e0: u32, lid: u32, values: bool) {
+// This invocation's share of the next tile: D / 32 quads of keys (and of
+// values) and, for the first KEYS invocations, one position. The loop loads
+// tile i + 1 into these registers before it computes tile i, so that the
+// loads' latency, larger where workgroups read different key blocks (a
+// sparse index) than where they all walk the same keys (dense), is hidden
+// behind the products; then it copies them into workgroup memory.
+var<private> k_next: array<vec4<f16>, 8>;
+var<private> v_next: array<vec4<f16>, 8>;
+var<private> key_next: u32;
+
+// Span entries e0 .. e0 + 32 (and, with `values`, their values) into this
+// invocation's registers.
+fn fetch(blk: Block, span: Span, e0: u32, lid: u32, values: bool) {
     let quads = D / 4u;
     let tile = tile_at(span, e0);
+    key_next = tile_key(tile, lid % KEYS);
+    for (var i = 0u; i < D / 32u; i++) {
+        let e = lid + i * 256u;
+        // An entry past the span reads position 0, and the mask drops it.
+        let j = tile_key(tile, e / quads);
+        let at = (select(j, 0u, j == NO_KEY) * shape.n_kv_head + blk.kv_head) * quads + e % quads;
+        k_next[i] = k[at];
+        if values {
+            v_next[i] = v[at];
+        }
+    }
+}
+
+// The fetched tile into workgroup memory, with its positions.
+fn stage(lid: u32, values: bool) {
+    let quads = D / 4u;
     if lid < KEYS {
-        key_tile[lid] = tile_key(tile, lid);
+        key_tile[lid] = key_next;
     }
     for (var i = 0u; i < D / 32u; i++) {
         let e = lid + i * 256u;
-        let key = e / quads;
-        let quad = e % quads;
-        // An entry past the span reads position 0, and the mask drops it.
-        let j = tile_key(tile, key);
-        let at = (select(j, 0u, j == NO_KEY) * shape.n_kv_head + blk.kv_head) * quads + quad;
-        let to = key * KV_STRIDE + quad * 4u;
-        let kx = k[at];
+        let to = (e / quads) * KV_STRIDE + (e % quads) * 4u;
+        let kx = k_next[i];
         k_tile[to] = kx.x;
         k_tile[to + 1u] = kx.y;
         k_tile[to + 2u] = kx.z;
         k_tile[to + 3u] = kx.w;
         if values {
-            let vx = v[at];
+            let vx = v_next[i];
             v_tile[to] = vx.x;
             v_tile[to + 1u] = vx.y;
             v_tile[to + 2u] = vx.z;
@@ -209,9 +231,13 @@ fn main(
     // Pass 1: each row's maximum and sum of exponentials.
     var m = NEG_BIG;
     var l = 0.0;
+    fetch(blk, span, 0u, lid, false);
     for (var e0 = 0u; e0 < span.len; e0 += KEYS) {
-        stage(blk, span, e0, lid, false);
+        stage(lid, false);
         workgroupBarrier();
+        if e0 + KEYS < span.len {
+            fetch(blk, span, e0 + KEYS, lid, false);
+        }
         scores(sg);
         workgroupBarrier();
         var m_new = m;
@@ -259,9 +285,13 @@ fn main(
     var o5 = coop_mat16x16<f32, C>();
     var o6 = coop_mat16x16<f32, C>();
     var o7 = coop_mat16x16<f32, C>();
+    fetch(blk, span, 0u, lid, true);
     for (var e0 = 0u; e0 < span.len; e0 += KEYS) {
-        stage(blk, span, e0, lid, true);
+        stage(lid, true);
         workgroupBarrier();
+        if e0 + KEYS < span.len {
+            fetch(blk, span, e0 + KEYS, lid, true);
+        }
         scores(sg);
         workgroupBarrier();
         for (var i = 0u; i < KEYS / 4u; i++) {

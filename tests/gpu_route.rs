@@ -300,6 +300,7 @@ fn proportional_profile(tokens: u32, n_head: u32, n_kv_head: u32, head_dim: u32)
         n_kv_head,
         entries,
         probe: vec![ProbeEntry { tokens, us: 0.0 }],
+        listed_dense: vec![],
     }
 }
 
@@ -548,18 +549,17 @@ fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
     let (prefix, scored) = (30_720, 2048);
     let dense = GpuPrefill::new(gpu, &model).unwrap();
     let settings = RouteSettings { audit: true, ..RouteSettings::default() };
-    let settings = match CalibrationFile::load(&CalibrationFile::file(&model.hp)) {
-        Ok(c) => RouteSettings { delta: c.delta, ..settings },
-        Err(e) => {
-            eprintln!("no calibration ({e}): delta {}", settings.delta);
-            settings
-        }
-    };
+    let calibration = CalibrationFile::load(&CalibrationFile::file(&model.hp));
+    if let Err(e) = &calibration {
+        eprintln!("no calibration ({e}): delta {}", settings.delta);
+    }
     let sweep = route_settings(&settings);
     let routed: Vec<GpuPrefill> = sweep
         .iter()
         .map(|&(tau, budget, recent_rows)| {
-            let settings = RouteSettings { tau, budget, recent_rows, ..settings.clone() };
+            let delta = calibration.as_ref().map_or(settings.delta, |c| c.delta_for(recent_rows));
+            let pattern_deltas = calibration.as_ref().map_or(vec![], |c| c.pattern_deltas(recent_rows));
+            let settings = RouteSettings { tau, budget, recent_rows, delta, pattern_deltas, ..settings.clone() };
             GpuPrefill::new(gpu, &model).unwrap().with_routing(settings).unwrap()
         })
         .collect();
@@ -587,7 +587,8 @@ fn routed_prefix_perplexity_is_within_half_a_percent_of_dense() {
     };
     let (mut audited, mut covered, mut heads, mut fallbacks) = (0, 0, 0, 0);
     let mut failures = Vec::new();
-    for book in ["10321", "10762"] {
+    let books = std::env::var("SIFT_ROUTE_BOOKS").unwrap_or_else(|_| "10321,10762".into());
+    for book in books.split(',').map(str::trim) {
         let text = std::fs::read_to_string(shared.join(format!("data/pg19/{book}.txt"))).unwrap();
         let tokens = tokenizer.encode(&text, true, false).unwrap();
         assert!(tokens.len() > prefix + scored + 1);

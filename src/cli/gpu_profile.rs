@@ -150,6 +150,7 @@ pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
             &profile,
             &inputs,
             (args.prefill_budget, args.prefill_tau, args.prefill_recent_rows),
+            args.runs,
         )?;
     }
     Ok(())
@@ -206,13 +207,40 @@ fn parse_shape(s: &str) -> Result<(u32, u32, u32), Usage> {
 
 fn print_profile(profile: &LatencyProfile) {
     println!("adapter: {} ({}), {} path", profile.adapter, profile.driver, profile.path);
-    println!("| pattern | budget | tokens | µs per KV head |");
-    println!("| --- | --- | ---: | ---: |");
+    println!("| pattern | budget | tokens | µs per KV head | keys visited per KV head | µs per key / dense's |");
+    println!("| --- | --- | ---: | ---: | ---: | ---: |");
+    // The dense kernel's time per key at a length.
+    let dense_per_key = |tokens: u32| {
+        let e = profile.entries.iter().find(|e| e.pattern == Pattern::Dense && e.tokens == tokens)?;
+        (e.keys > 0.0).then(|| e.us / e.keys)
+    };
+    let relative = |us: f64, keys: f64, tokens: u32| match dense_per_key(tokens) {
+        Some(d) if keys > 0.0 => format!("{:.2}", us / keys / d),
+        _ => "".into(),
+    };
     for e in &profile.entries {
-        println!("| {} | {:?} | {} | {:.1} |", e.pattern.name(), e.pattern.budget_units(e.budget), e.tokens, e.us);
+        println!(
+            "| {} | {:?} | {} | {:.1} | {:.0} | {} |",
+            e.pattern.name(),
+            e.pattern.budget_units(e.budget),
+            e.tokens,
+            e.us,
+            e.keys,
+            relative(e.us, e.keys, e.tokens)
+        );
+    }
+    for p in &profile.listed_dense {
+        let keys = profile.entries.iter().find(|e| e.pattern == Pattern::Dense && e.tokens == p.tokens).map(|e| e.keys);
+        let keys = keys.unwrap_or(0.0);
+        println!(
+            "| every block, sparse kernel | | {} | {:.1} | {keys:.0} | {} |",
+            p.tokens,
+            p.us,
+            relative(p.us, keys, p.tokens)
+        );
     }
     for p in &profile.probe {
-        println!("| probe + index builders (layer) | | {} | {:.1} |", p.tokens, p.us);
+        println!("| probe + index builders (layer) | | {} | {:.1} | | |", p.tokens, p.us);
     }
 }
 
@@ -272,8 +300,19 @@ fn synthetic(n: usize, hq: usize, hk: usize, d: usize, rows: usize, seed: u64) -
     [q, k, v]
 }
 
-/// Dense against routed attention at `n` positions on synthetic inputs, δ
-/// calibrated first on synthetic inputs of another seed.
+/// Dense against routed attention at `n` positions, δ calibrated first on
+/// held-out inputs (synthetic of another seed, or other captures).
+///
+/// The two are timed clock-fairly: the GPU's clock drops within seconds of
+/// idling and takes some 0.1–0.5 s of work to climb back, so every input
+/// sits on the GPU before the first timing, one untimed pass of each warms
+/// the clock, the pipelines and the buffer pools, and then `runs`
+/// repetitions alternate dense and routed, each routed pass right after a
+/// dense one (as a prefill's projections precede its attention). Medians are
+/// reported, with every sample. The routed passes are not audited (an
+/// audit reads every output back); a separate audited pass, after them,
+/// gives the report's true masses and certificate coverage.
+#[allow(clippy::too_many_arguments)]
 fn compare(
     ctx: &GpuContext,
     path: KernelPath,
@@ -282,6 +321,7 @@ fn compare(
     profile: &LatencyProfile,
     inputs: &Inputs,
     (budget, tau, recent_rows): (f64, f64, bool),
+    runs: usize,
 ) -> anyhow::Result<()> {
     eprintln!("gpu-profile: comparing at {n} tokens on {}", inputs.describe(false));
     let dense = Attention::new(&ctx.device, path, d, hq / hk)?;
@@ -296,39 +336,77 @@ fn compare(
     let rows = n.next_multiple_of(BLOCK) as usize;
     let calibration = RouteSettings { pattern: Some(Pattern::AShape), calibrate: true, ..RouteSettings::default() };
     let calibrating = RoutedAttention::new(ctx, path, (d, hq / hk), calibration, None)?;
-    let held_out = inputs.make((hq, hk, d), n, rows, true)?;
-    attend_inputs(ctx, &calibrating, &dense, (&shapes, d as usize), &held_out, false)?;
-    drop(held_out);
+    let held_out = GpuInputs::upload(ctx, &inputs.make((hq, hk, d), n, rows, true)?, &shapes, d as usize)?;
+    held_out.routed(ctx, &calibrating, &dense)?;
+    held_out.recycle(ctx);
     let residuals = calibrating.residuals.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let delta = CalibrationFile::from_residuals(&residuals, 0.95, String::new(), vec![], n as usize)
-        .map_or(RouteSettings::default().delta, |c| c.delta);
+    let calibrated = CalibrationFile::from_residuals(&residuals, 0.95, String::new(), vec![], n as usize);
+    let delta = calibrated.as_ref().map_or(RouteSettings::default().delta, |c| c.delta_for(recent_rows));
     eprintln!("gpu-profile: δ = {delta:.4} from {} residuals on {}", residuals.len(), inputs.describe(true));
-    let settings = RouteSettings { budget, tau, recent_rows, delta, audit: true, ..RouteSettings::default() };
-    let routed = RoutedAttention::new(ctx, path, (d, hq / hk), settings, Some(profile.clone()))?;
-    // A first routed pass warms the buffer pools and pipelines, as dense's
-    // first run does; the second is the one reported.
-    let measured = inputs.make((hq, hk, d), n, rows, false)?;
-    let dense_ms = attend_inputs(ctx, &routed, &dense, (&shapes, d as usize), &measured, true)?;
-    *routed.report.lock().unwrap_or_else(|p| p.into_inner()) = Default::default();
-    attend_inputs(ctx, &routed, &dense, (&shapes, d as usize), &measured, false)?;
-    let mut report = routed.report.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = &calibrated {
+        println!("  {}", describe_calibration(c));
+    }
+    let pattern_deltas = calibrated.as_ref().map_or(vec![], |c| c.pattern_deltas(recent_rows));
+    let settings = RouteSettings { budget, tau, recent_rows, delta, pattern_deltas, ..RouteSettings::default() };
+    let routed = RoutedAttention::new(ctx, path, (d, hq / hk), settings.clone(), Some(profile.clone()))?;
+    let measured = GpuInputs::upload(ctx, &inputs.make((hq, hk, d), n, rows, false)?, &shapes, d as usize)?;
+    measured.dense(ctx, &dense)?;
+    measured.routed(ctx, &routed, &dense)?;
+    let (mut dense_samples, mut routed_samples, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    let mut reports = Vec::new();
+    for _ in 0..runs {
+        let dense_ms = measured.dense(ctx, &dense)?;
+        *routed.report.lock().unwrap_or_else(|p| p.into_inner()) = Default::default();
+        measured.routed(ctx, &routed, &dense)?;
+        let report = std::mem::take(&mut *routed.report.lock().unwrap_or_else(|p| p.into_inner()));
+        let routed_ms = report.timing.routed_wall_ms;
+        dense_samples.push(dense_ms);
+        routed_samples.push(routed_ms);
+        ratios.push(dense_ms / routed_ms);
+        reports.push(report);
+    }
+    // The repetition of the median ratio, for its time split.
+    let mut order: Vec<usize> = (0..runs).collect();
+    order.sort_by(|&a, &b| ratios[a].total_cmp(&ratios[b]));
+    let timing = &reports[order[runs / 2]].timing;
+    let audited = RoutedAttention::new(
+        ctx,
+        path,
+        (d, hq / hk),
+        RouteSettings { audit: true, ..settings },
+        Some(profile.clone()),
+    )?;
+    measured.routed(ctx, &audited, &dense)?;
+    measured.recycle(ctx);
+    let mut report = audited.report.lock().unwrap_or_else(|p| p.into_inner());
     report.summarize();
-    let routed_ms = report.timing.routed_wall_ms;
     println!(
-        "compare N={n} {hq}/{hk} heads d={d} ({}), τ {tau}, budget {budget}, recent rows bounded {recent_rows}, δ {delta:.4}: dense {dense_ms:.2} ms (GPU timestamps), routed {routed_ms:.2} ms \
-         (wall clock, readbacks included; of it probe {:.2} + index {:.2} GPU, routing {:.2} + lists {:.2} CPU, \
-         kernel {:.2} GPU = dense {:.2} + sparse {:.2}): {:.2}x",
+        "compare N={n} {hq}/{hk} heads d={d} ({}), τ {tau}, budget {budget}, recent rows bounded {recent_rows}, δ {delta:.4}, \
+         {runs} alternating runs after a warm-up of each: dense {:.2} ms (GPU timestamps), routed {:.2} ms \
+         (wall clock, readbacks included), medians; dense/routed {:.2}x (median of the runs' ratios); \
+         the median run's routed time: probe {:.2} + index {:.2} GPU, routing {:.2} + lists {:.2} CPU, \
+         kernel {:.2} GPU = dense {:.2} + sparse {:.2}",
         inputs.describe(false),
-        report.timing.probe_ms,
-        report.timing.index_ms,
-        report.timing.routing_ms,
-        report.timing.lists_ms,
-        report.timing.kernel_ms,
-        report.timing.dense_kernel_ms,
-        report.timing.sparse_kernel_ms,
-        dense_ms / routed_ms
+        median(&dense_samples),
+        median(&routed_samples),
+        median(&ratios),
+        timing.probe_ms,
+        timing.index_ms,
+        timing.routing_ms,
+        timing.lists_ms,
+        timing.kernel_ms,
+        timing.dense_kernel_ms,
+        timing.sparse_kernel_ms,
     );
-    println!("  probe and index kernels (GPU ms): {:?}", report.timing.probe_kernels_ms);
+    let list = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(", ");
+    println!(
+        "  runs: dense [{}] ms, routed [{}] ms, ratios [{}]",
+        list(&dense_samples),
+        list(&routed_samples),
+        list(&ratios)
+    );
+    println!("  probe and index kernels (GPU ms, the median run): {:?}", timing.probe_kernels_ms);
+    println!("  the audited pass (after the runs):");
     for layer in &report.layers {
         for h in &layer.heads {
             println!("  pos0 {} {h}", layer.pos0);
@@ -344,53 +422,84 @@ fn compare(
     Ok(())
 }
 
-/// Runs `routed` over the chunks `shapes` of `[q, k, v]` (heads
-/// of `d` dimensions), and with `time_dense` the dense kernel first on each,
-/// whose GPU time it returns.
-fn attend_inputs(
-    ctx: &GpuContext,
-    routed: &RoutedAttention,
-    dense: &Attention,
-    (shapes, d): (&[AttentionShape], usize),
-    [q, k, v]: &[Vec<f16>; 3],
-    time_dense: bool,
-) -> anyhow::Result<f64> {
-    let q_row = shapes[0].n_head as usize * d;
-    let widest = shapes.iter().map(|s| s.n.next_multiple_of(BLOCK) as usize).max().unwrap_or(0);
-    let kb = ctx.upload("k", k)?;
-    let vb = ctx.upload("v", v)?;
-    let o = ctx.storage::<f32>("o", widest * q_row)?;
-    let mut dense_ms = 0.0;
-    for shape in shapes {
-        let rows = shape.n.next_multiple_of(BLOCK) as usize;
-        let first = shape.pos0 as usize * q_row;
-        let mut chunk_q = q[first..][..(rows * q_row).min(q.len() - first)].to_vec();
-        chunk_q.resize(rows * q_row, f16::ZERO);
-        let qb = ctx.upload("q", &chunk_q)?;
-        if time_dense {
-            let bind = dense.bind(&ctx.device, &qb, &kb, &vb, &o);
-            let sizes = [qb.size(), kb.size(), vb.size(), o.size()];
-            let mut samples = Vec::new();
-            for _ in 0..2 {
-                let mut batch = ctx.batch();
-                batch.mark();
-                batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes))?;
-                batch.mark();
-                let started = Instant::now();
-                let marks = batch.submit_timed()?;
-                samples.push(
-                    marks.and_then(|m| m.first().copied()).unwrap_or_else(|| started.elapsed().as_secs_f64() * 1e3),
-                );
-            }
-            dense_ms += samples[1];
+fn median(samples: &[f64]) -> f64 {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// `--compare`'s inputs on the GPU: keys, values, each chunk's queries (so
+/// that no upload idles the GPU between timings), and one output.
+struct GpuInputs<'s> {
+    shapes: &'s [AttentionShape],
+    d: usize,
+    queries: Vec<wgpu::Buffer>,
+    keys: wgpu::Buffer,
+    values: wgpu::Buffer,
+    out: wgpu::Buffer,
+}
+
+impl<'s> GpuInputs<'s> {
+    /// `[q, k, v]` for the chunks `shapes` (heads of `d` dimensions).
+    fn upload(
+        ctx: &GpuContext,
+        [q, k, v]: &[Vec<f16>; 3],
+        shapes: &'s [AttentionShape],
+        d: usize,
+    ) -> anyhow::Result<Self> {
+        let q_row = shapes[0].n_head as usize * d;
+        let widest = shapes.iter().map(|s| s.n.next_multiple_of(BLOCK) as usize).max().unwrap_or(0);
+        let queries = shapes
+            .iter()
+            .map(|shape| {
+                let rows = shape.n.next_multiple_of(BLOCK) as usize;
+                let first = shape.pos0 as usize * q_row;
+                let mut chunk_q = q[first..][..(rows * q_row).min(q.len() - first)].to_vec();
+                chunk_q.resize(rows * q_row, f16::ZERO);
+                ctx.upload("q", &chunk_q)
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            shapes,
+            d,
+            queries,
+            keys: ctx.upload("k", k)?,
+            values: ctx.upload("v", v)?,
+            out: ctx.storage::<f32>("o", widest * q_row)?,
+        })
+    }
+
+    /// The dense kernel over every chunk; its GPU time (the wall clock
+    /// without timestamp queries).
+    fn dense(&self, ctx: &GpuContext, dense: &Attention) -> anyhow::Result<f64> {
+        let mut ms = 0.0;
+        for (shape, q) in self.shapes.iter().zip(&self.queries) {
+            let bind = dense.bind(&ctx.device, q, &self.keys, &self.values, &self.out);
+            let sizes = [q.size(), self.keys.size(), self.values.size(), self.out.size()];
+            let mut batch = ctx.batch();
+            batch.mark();
+            batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes))?;
+            batch.mark();
+            let started = Instant::now();
+            let marks = batch.submit_timed()?;
+            ms += marks.and_then(|m| m.first().copied()).unwrap_or_else(|| started.elapsed().as_secs_f64() * 1e3);
         }
-        routed.attend(ctx, 0, shape, [&qb, &kb, &vb, &o], dense, d)?;
-        ctx.recycle(qb);
+        Ok(ms)
     }
-    for b in [kb, vb, o] {
-        ctx.recycle(b);
+
+    /// `routed` over every chunk, into its report.
+    fn routed(&self, ctx: &GpuContext, routed: &RoutedAttention, dense: &Attention) -> anyhow::Result<()> {
+        for (shape, q) in self.shapes.iter().zip(&self.queries) {
+            routed.attend(ctx, 0, shape, [q, &self.keys, &self.values, &self.out], dense, self.d)?;
+        }
+        Ok(())
     }
-    Ok(dense_ms)
+
+    fn recycle(self, ctx: &GpuContext) {
+        for b in self.queries.into_iter().chain([self.keys, self.values, self.out]) {
+            ctx.recycle(b);
+        }
+    }
 }
 
 /// `--capture`: each text's first `--capture-passages` passages of
@@ -497,14 +606,26 @@ fn calibrate(args: &GpuProfileArgs, policy: AdapterPolicy) -> anyhow::Result<()>
             .context("no global layer was routed: no residuals")?;
     let out = CalibrationFile::file(&model.hp);
     calibration.save(&out).with_context(|| format!("writing {}", out.display()))?;
-    println!(
-        "delta {:.4} (the {} quantile of {} residuals m̂ − m; mean {:.4}, max {:.4}): {}",
-        calibration.delta,
-        calibration.quantile,
-        calibration.residuals,
-        calibration.mean_residual,
-        calibration.max_residual,
-        out.display()
-    );
+    println!("{}: {}", describe_calibration(&calibration), out.display());
     Ok(())
+}
+
+/// δ of both bounds, overall and per pattern.
+fn describe_calibration(c: &CalibrationFile) -> String {
+    let patterns: Vec<String> = c
+        .patterns
+        .iter()
+        .map(|p| format!("{} {:.4} / {:.4} of {}", p.pattern.name(), p.delta, p.delta_recent, p.residuals))
+        .collect();
+    format!(
+        "delta {:.4} (the {} quantile of {} residuals m̂ − m; mean {:.4}, max {:.4}), with recent rows {} \
+         (of min(m̂, ŵ) − m); per pattern (mean / recent rows): {}",
+        c.delta,
+        c.quantile,
+        c.residuals,
+        c.mean_residual,
+        c.max_residual,
+        c.delta_recent.map_or("none".into(), |d| format!("{d:.4}")),
+        patterns.join(", ")
+    )
 }

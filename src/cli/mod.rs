@@ -276,9 +276,10 @@ impl GpuArgs {
         };
         match CalibrationFile::load(&file) {
             Ok(c) => {
-                settings.delta = c.delta;
+                settings.delta = c.delta_for(settings.recent_rows);
+                settings.pattern_deltas = c.pattern_deltas(settings.recent_rows);
                 settings.delta_source = sift::gpu::report::Calibration {
-                    delta: c.delta,
+                    delta: settings.delta,
                     quantile: c.quantile,
                     file: Some(file.display().to_string()),
                 };

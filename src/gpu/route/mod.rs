@@ -47,6 +47,9 @@ pub struct RouteSettings {
     pub alpha: f64,
     /// δ_q, and where it came from (for the report).
     pub delta: f64,
+    /// δ_q per sparse pattern, where calibrated (each its own residuals'
+    /// quantile); a pattern not listed takes `delta`.
+    pub pattern_deltas: Vec<(Pattern, f64)>,
     pub delta_source: crate::gpu::report::Calibration,
     /// Measure each routed head against dense attention.
     pub audit: bool,
@@ -54,6 +57,13 @@ pub struct RouteSettings {
     pub calibrate: bool,
     /// Where the prefill report goes.
     pub report: Option<PathBuf>,
+}
+
+impl RouteSettings {
+    /// The δ_q a candidate of `pattern` is bounded with.
+    pub fn delta_of(&self, pattern: Pattern) -> f64 {
+        self.pattern_deltas.iter().find(|(p, _)| *p == pattern).map_or(self.delta, |&(_, d)| d)
+    }
 }
 
 impl Default for RouteSettings {
@@ -66,6 +76,7 @@ impl Default for RouteSettings {
             recent_rows: false,
             alpha: 0.5,
             delta,
+            pattern_deltas: Vec::new(),
             delta_source: crate::gpu::report::Calibration { delta, quantile: 0.95, file: None },
             audit: false,
             calibrate: false,

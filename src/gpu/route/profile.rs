@@ -31,6 +31,9 @@ use super::probe::{ProbeKernels, ProbeRows};
 use crate::gpu::attention::{Attention, AttentionShape, BLOCK};
 use crate::gpu::{GpuContext, GpuError, KernelPath};
 
+/// GPU time each measurement runs untimed first, ms.
+const WARM_UP_MS: f64 = 300.0;
+
 /// The length buckets `sift gpu-profile` measures by default.
 pub const BUCKETS: [u32; 6] = [4096, 8192, 16384, 32768, 65536, 131072];
 
@@ -45,6 +48,11 @@ pub struct LatencyProfile {
     pub entries: Vec<Entry>,
     /// The probe and index builders, per layer.
     pub probe: Vec<ProbeEntry>,
+    /// The sparse kernel listing every key block up to the diagonal, per KV
+    /// head: not a candidate, the measure of the kernel's own price per key
+    /// against the dense kernel's (absent from older profiles).
+    #[serde(default)]
+    pub listed_dense: Vec<ProbeEntry>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -163,6 +171,7 @@ impl LatencyProfile {
             n_kv_head,
             entries: Vec::new(),
             probe: Vec::new(),
+            listed_dense: Vec::new(),
         };
         let d = head_dim as usize;
         for &n in buckets {
@@ -190,44 +199,56 @@ impl LatencyProfile {
             let k = ctx.upload("profile k", &noise(keys * n_kv_head as usize * d, 2))?;
             let v = ctx.upload("profile v", &noise(keys * n_kv_head as usize * d, 3))?;
             let o = ctx.storage::<f32>("profile o", rows * n_head as usize * d)?;
-            for c in Candidate::library() {
-                let mask = synthetic_mask(c, n);
-                let masks = vec![Some(&mask); n_kv_head as usize];
-                let index = SparseIndex::new(&masks, n);
-                let gpu_index = index.upload(ctx)?;
+            // The median time of a mask's dispatches over every chunk, after
+            // a warm-up of at least WARM_UP_MS of them (the clock climbs back
+            // from idle over some 0.1–0.5 s of work).
+            let time = |mask: &Mask, sparse: bool| -> Result<f64, GpuError> {
+                let masks = vec![Some(mask); n_kv_head as usize];
+                let gpu_index = SparseIndex::new(&masks, n).upload(ctx)?;
                 let buffers = gpu_index.buffers();
-                // Dense is timed on the dense kernel, which is what a dense layer runs.
-                let bind = match c.pattern {
-                    Pattern::Dense => dense.bind(&ctx.device, &q, &k, &v, &o),
-                    _ => attention.bind_sparse(&ctx.device, [&q, &k, &v, &o], &buffers),
+                let bind = match sparse {
+                    false => dense.bind(&ctx.device, &q, &k, &v, &o),
+                    true => attention.bind_sparse(&ctx.device, [&q, &k, &v, &o], &buffers),
                 };
                 let sizes = [q.size(), k.size(), v.size(), o.size()];
-                let mut samples = Vec::new();
-                for run in 0..=runs {
+                let run = || -> Result<f64, GpuError> {
                     let mut batch = ctx.batch();
                     batch.mark();
                     for shape in &shapes {
                         batch
-                            .record("attention", |pass| match c.pattern {
-                                Pattern::Dense => dense.dispatch(pass, &bind, shape, sizes),
-                                _ => attention.dispatch_sparse(pass, &bind, shape, sizes, &buffers),
+                            .record("attention", |pass| match sparse {
+                                false => dense.dispatch(pass, &bind, shape, sizes),
+                                true => attention.dispatch_sparse(pass, &bind, shape, sizes, &buffers),
                             })
                             .map_err(kernel_error)?;
                     }
                     batch.mark();
                     let started = std::time::Instant::now();
                     let marks = batch.submit_timed()?;
-                    let ms =
-                        marks.and_then(|m| m.first().copied()).unwrap_or_else(|| started.elapsed().as_secs_f64() * 1e3);
-                    if run > 0 {
-                        samples.push(ms);
-                    }
+                    Ok(marks.and_then(|m| m.first().copied()).unwrap_or_else(|| started.elapsed().as_secs_f64() * 1e3))
+                };
+                let mut warm = 0.0;
+                while warm < WARM_UP_MS {
+                    let ms = run()?;
+                    // A software adapter's every run is long; one warms nothing.
+                    warm += ms.max(WARM_UP_MS / 4.0);
                 }
+                let mut samples = (0..runs).map(|_| run()).collect::<Result<Vec<f64>, _>>()?;
                 gpu_index.recycle(ctx);
-                let us = median(&mut samples) * 1e3 / n_kv_head as f64;
+                Ok(median(&mut samples))
+            };
+            for c in Candidate::library() {
+                let mask = synthetic_mask(c, n);
+                // Dense is timed on the dense kernel, which is what a dense layer runs.
+                let us = time(&mask, c.pattern != Pattern::Dense)? * 1e3 / n_kv_head as f64;
                 let keys = mask.visited_keys(0..n.div_ceil(BLOCK));
                 profile.entries.push(Entry { pattern: c.pattern, budget: c.budget, tokens: n, us, keys });
             }
+            // Every key block through the sparse kernel: the same keys as the
+            // dense kernel's, so the two times' ratio is the sparse kernel's
+            // own price per key, apart from which blocks a mask lists.
+            let us = time(&Mask::Dense, true)? * 1e3 / n_kv_head as f64;
+            profile.listed_dense.push(ProbeEntry { tokens: n, us });
             let probe_rows = ProbeRows::new(0, shape.n, 32, 16);
             let mut samples = Vec::new();
             for run in 0..=runs {
@@ -342,6 +363,7 @@ mod tests {
             n_kv_head: 1,
             entries: vec![Entry { pattern: c.pattern, budget: c.budget, tokens: 4096, us: 100.0, keys }],
             probe: vec![],
+            listed_dense: vec![],
         };
         assert_eq!(profile.mask_time_us(c, &near, 0..64, 4096), Some(100.0));
         let t = profile.mask_time_us(c, &spread, 0..64, 4096).unwrap();

@@ -25,6 +25,7 @@ use std::time::Instant;
 use half::f16;
 use wgpu::Buffer;
 
+use super::calibration::Residual;
 use super::candidates::{estimate, Candidate, Estimate, HeadLines, Pattern};
 use super::index::{value_norm_max, Mask, SparseIndex};
 use super::probe::{ProbeKernels, ProbeRows};
@@ -46,8 +47,8 @@ pub struct RoutedAttention {
     probe: ProbeKernels,
     profile: Option<LatencyProfile>,
     pub report: Mutex<PrefillReport>,
-    /// m̂ − m per (layer, KV head, candidate), when calibrating.
-    pub residuals: Mutex<Vec<f64>>,
+    /// The residuals per (layer, KV head, sparse candidate), when calibrating.
+    pub residuals: Mutex<Vec<Residual>>,
 }
 
 fn kernel_error(e: crate::gpu::KernelError) -> GpuError {
@@ -153,9 +154,9 @@ impl RoutedAttention {
                     .collect()
             })
             .collect();
-        let lower = |e: &Estimate| {
+        let lower = |pattern: Pattern, e: &Estimate| {
             let kept = if self.settings.recent_rows { e.mass.min(e.worst_recent) } else { e.mass };
-            (kept - self.settings.delta).max(0.0)
+            (kept - self.settings.delta_of(pattern)).max(0.0)
         };
         let time = |c: Candidate, mask: &Mask| {
             self.profile.as_ref().and_then(|p| p.mask_time_us(c, mask, query_blocks.clone(), kv_len)).unwrap_or(0.0)
@@ -167,7 +168,7 @@ impl RoutedAttention {
                 o.iter()
                     .map(|(c, mask, e)| Choice {
                         risk: e.risk(self.settings.alpha),
-                        lower: lower(e),
+                        lower: lower(c.pattern, e),
                         time_us: time(*c, mask),
                     })
                     .collect()
@@ -205,7 +206,7 @@ impl RoutedAttention {
             .map(|(h, (mut o, &i))| {
                 let (candidate, mask, estimate) = o.swap_remove(i);
                 let fallback = plan.as_ref().is_some_and(|p| p.fallback[h]);
-                Chosen { candidate, lower: lower(&estimate), mask, estimate, fallback }
+                Chosen { candidate, lower: lower(candidate.pattern, &estimate), mask, estimate, fallback }
             })
             .collect();
         let routing_ms = routing_started.elapsed().as_secs_f64() * 1e3;
@@ -418,7 +419,8 @@ impl RoutedAttention {
             .collect())
     }
 
-    /// Records m̂ − m for every sparse candidate of the library and KV head of this call.
+    /// Records m̂ − m and min(m̂, ŵ) − m for every sparse candidate of the
+    /// library and KV head of this call.
     #[allow(clippy::too_many_arguments)]
     fn calibrate(
         &self,
@@ -438,7 +440,9 @@ impl RoutedAttention {
             let truth = self.true_masses(ctx, shape, qk, Some(&index))?;
             index.recycle(ctx);
             for (h, mask) in masks.iter().enumerate() {
-                residuals.push(estimate(mask, probe, rows, h).mass - truth[h]);
+                let e = estimate(mask, probe, rows, h);
+                let (mean, recent) = (e.mass - truth[h], e.mass.min(e.worst_recent) - truth[h]);
+                residuals.push(Residual { pattern: c.pattern, mean, recent });
             }
         }
         self.residuals.lock().unwrap_or_else(|p| p.into_inner()).extend(residuals);
