@@ -395,6 +395,8 @@ struct Buckets {
     /// `sorted[starts[j]..starts[j + 1]]`.
     sorted: Vec<u32>,
     starts: Vec<u32>,
+    /// Where the next key of each level is placed, while sorting.
+    cursors: Vec<u32>,
     /// Per level: keys postponed to it, in no order.
     postponed: Vec<Vec<u32>>,
 }
@@ -421,9 +423,9 @@ impl Buckets {
             self.starts[j] += self.starts[j - 1];
         }
         self.sorted.resize(perturbed.len(), 0);
-        let mut next = self.starts.clone();
+        self.cursors.clone_from(&self.starts);
         for (i, &j) in self.first.iter().enumerate() {
-            let slot = &mut next[usize::from(j)];
+            let slot = &mut self.cursors[usize::from(j)];
             self.sorted[*slot as usize] = i as u32;
             *slot += 1;
         }
