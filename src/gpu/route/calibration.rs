@@ -10,7 +10,8 @@
 //! `--prefill-recent-rows` uses, min(m̂, ŵ) − δ_q, has its own residuals,
 //! min(m̂, ŵ) − m, and its own quantile (no larger: min(m̂, ŵ) ≤ m̂); the
 //! file keeps both, and each pattern's too (the probe errs differently on
-//! a band, on lines and on pooled blocks), for the report. The texts must
+//! a band, on lines and on pooled blocks), by which the router bounds each
+//! pattern's candidates. The texts must
 //! not be the evaluation texts (the repository calibrates on PG-19 books other
 //! than those it reports perplexity on). The result is a small JSON file
 //! beside the latency profile, named after the model's shape.
@@ -52,7 +53,8 @@ pub struct CalibrationFile {
     /// from files written before it was recorded.
     #[serde(default)]
     pub delta_recent: Option<f64>,
-    /// Per pattern, for the report (routing takes one δ for all).
+    /// Per pattern: the router bounds a pattern's candidates by its own δ
+    /// (absent from older files, which pool one δ for all).
     #[serde(default)]
     pub patterns: Vec<PatternDelta>,
     /// Residuals the quantile was taken over.
