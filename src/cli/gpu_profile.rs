@@ -27,7 +27,7 @@ use sift::gpu::attention::{Attention, AttentionShape, BLOCK};
 use sift::gpu::prefill::GpuPrefill;
 use sift::gpu::route::calibration::CalibrationFile;
 use sift::gpu::route::captured::{tile, CapturedLayer, CapturedPassage};
-use sift::gpu::route::profile::{LatencyProfile, BUCKETS};
+use sift::gpu::route::profile::{median, LatencyProfile, BUCKETS};
 use sift::gpu::route::{Pattern, RouteSettings, RoutedAttention};
 use sift::gpu::{AdapterPolicy, GpuContext, KernelPath};
 use sift::model::Model;
@@ -420,12 +420,6 @@ fn compare(
         report.layers.len()
     );
     Ok(())
-}
-
-fn median(samples: &[f64]) -> f64 {
-    let mut sorted = samples.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted.get(sorted.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// `--compare`'s inputs on the GPU: keys, values, each chunk's queries (so

@@ -233,9 +233,9 @@ impl LatencyProfile {
                     // A software adapter's every run is long; one warms nothing.
                     warm += ms.max(WARM_UP_MS / 4.0);
                 }
-                let mut samples = (0..runs).map(|_| run()).collect::<Result<Vec<f64>, _>>()?;
+                let samples = (0..runs).map(|_| run()).collect::<Result<Vec<f64>, _>>()?;
                 gpu_index.recycle(ctx);
-                Ok(median(&mut samples))
+                Ok(median(&samples))
             };
             for c in Candidate::library() {
                 let mask = synthetic_mask(c, n);
@@ -257,7 +257,7 @@ impl LatencyProfile {
                     samples.push(p.probe_ms + p.index_ms);
                 }
             }
-            profile.probe.push(ProbeEntry { tokens: n, us: median(&mut samples) * 1e3 });
+            profile.probe.push(ProbeEntry { tokens: n, us: median(&samples) * 1e3 });
             for b in [q, k, v, o] {
                 ctx.recycle(b);
             }
@@ -275,9 +275,11 @@ pub fn cache_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(".sift-cache"))
 }
 
-fn median(samples: &mut [f64]) -> f64 {
-    samples.sort_by(f64::total_cmp);
-    samples.get(samples.len() / 2).copied().unwrap_or(0.0)
+/// The median of `samples` (the upper one of an even count; 0 for none).
+pub fn median(samples: &[f64]) -> f64 {
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Linear between measured lengths; proportional to `tokens^power` outside them.
