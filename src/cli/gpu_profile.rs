@@ -64,12 +64,14 @@ pub struct GpuProfileArgs {
     /// profiling the shape if it has no profile yet)
     #[arg(long, value_delimiter = ',')]
     compare: Vec<u32>,
-    /// --compare: the routed layer's budget, a fraction of dense time
-    #[arg(long, default_value_t = 0.25)]
-    prefill_budget: f64,
-    /// --compare: dense fallback when a KV head's lower mass bound is under this
-    #[arg(long, default_value_t = 0.95)]
-    prefill_tau: f64,
+    /// --compare: the routed layer's budget, a fraction of dense time; several, comma-separated,
+    /// are compared one after another on the same inputs and calibration
+    #[arg(long, value_delimiter = ',', default_value = "0.25")]
+    prefill_budget: Vec<f64>,
+    /// --compare: dense fallback when a KV head's lower mass bound is under this; several as
+    /// for --prefill-budget (every pair of the two lists is compared)
+    #[arg(long, value_delimiter = ',', default_value = "0.95")]
+    prefill_tau: Vec<f64>,
     /// --compare: m̲ bounds the probe's least-kept recent row too (see `sift run`'s flag)
     #[arg(long)]
     prefill_recent_rows: bool,
@@ -141,17 +143,10 @@ pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
         }
         _ => Inputs::Synthetic,
     };
+    let settings: Vec<(f64, f64)> =
+        args.prefill_tau.iter().flat_map(|&tau| args.prefill_budget.iter().map(move |&budget| (budget, tau))).collect();
     for &n in &args.compare {
-        compare(
-            &ctx,
-            path,
-            shape,
-            n,
-            &profile,
-            &inputs,
-            (args.prefill_budget, args.prefill_tau, args.prefill_recent_rows),
-            args.runs,
-        )?;
+        compare(&ctx, path, shape, n, &profile, &inputs, &settings, args.prefill_recent_rows, args.runs)?;
     }
     Ok(())
 }
@@ -301,7 +296,8 @@ fn synthetic(n: usize, hq: usize, hk: usize, d: usize, rows: usize, seed: u64) -
 }
 
 /// Dense against routed attention at `n` positions, δ calibrated first on
-/// held-out inputs (synthetic of another seed, or other captures).
+/// held-out inputs (synthetic of another seed, or other captures), at each
+/// `(budget, τ)` of `settings` in turn on the same inputs.
 ///
 /// The two are timed clock-fairly: the GPU's clock drops within seconds of
 /// idling and takes some 0.1–0.5 s of work to climb back, so every input
@@ -320,7 +316,8 @@ fn compare(
     n: u32,
     profile: &LatencyProfile,
     inputs: &Inputs,
-    (budget, tau, recent_rows): (f64, f64, bool),
+    settings: &[(f64, f64)],
+    recent_rows: bool,
     runs: usize,
 ) -> anyhow::Result<()> {
     eprintln!("gpu-profile: comparing at {n} tokens on {}", inputs.describe(false));
@@ -347,78 +344,87 @@ fn compare(
         println!("  {}", describe_calibration(c));
     }
     let pattern_deltas = calibrated.as_ref().map_or(vec![], |c| c.pattern_deltas(recent_rows));
-    let settings = RouteSettings { budget, tau, recent_rows, delta, pattern_deltas, ..RouteSettings::default() };
-    let routed = RoutedAttention::new(ctx, path, (d, hq / hk), settings.clone(), Some(profile.clone()))?;
     let measured = GpuInputs::upload(ctx, &inputs.make((hq, hk, d), n, rows, false)?, &shapes, d as usize)?;
-    measured.dense(ctx, &dense)?;
-    measured.routed(ctx, &routed, &dense)?;
-    let (mut dense_samples, mut routed_samples, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
-    let mut reports = Vec::new();
-    for _ in 0..runs {
-        let dense_ms = measured.dense(ctx, &dense)?;
-        *routed.report.lock().unwrap_or_else(|p| p.into_inner()) = Default::default();
+    for &(budget, tau) in settings {
+        let settings = RouteSettings {
+            budget,
+            tau,
+            recent_rows,
+            delta,
+            pattern_deltas: pattern_deltas.clone(),
+            ..RouteSettings::default()
+        };
+        let routed = RoutedAttention::new(ctx, path, (d, hq / hk), settings.clone(), Some(profile.clone()))?;
+        measured.dense(ctx, &dense)?;
         measured.routed(ctx, &routed, &dense)?;
-        let report = std::mem::take(&mut *routed.report.lock().unwrap_or_else(|p| p.into_inner()));
-        let routed_ms = report.timing.routed_wall_ms;
-        dense_samples.push(dense_ms);
-        routed_samples.push(routed_ms);
-        ratios.push(dense_ms / routed_ms);
-        reports.push(report);
-    }
-    // The repetition of the median ratio, for its time split.
-    let mut order: Vec<usize> = (0..runs).collect();
-    order.sort_by(|&a, &b| ratios[a].total_cmp(&ratios[b]));
-    let timing = &reports[order[runs / 2]].timing;
-    let audited = RoutedAttention::new(
-        ctx,
-        path,
-        (d, hq / hk),
-        RouteSettings { audit: true, ..settings },
-        Some(profile.clone()),
-    )?;
-    measured.routed(ctx, &audited, &dense)?;
-    measured.recycle(ctx);
-    let mut report = audited.report.lock().unwrap_or_else(|p| p.into_inner());
-    report.summarize();
-    println!(
-        "compare N={n} {hq}/{hk} heads d={d} ({}), τ {tau}, budget {budget}, recent rows bounded {recent_rows}, δ {delta:.4}, \
-         {runs} alternating runs after a warm-up of each: dense {:.2} ms (GPU timestamps), routed {:.2} ms \
-         (wall clock, readbacks included), medians; dense/routed {:.2}x (median of the runs' ratios); \
-         the median run's routed time: probe {:.2} + index {:.2} GPU, routing {:.2} + lists {:.2} CPU, \
-         kernel {:.2} GPU = dense {:.2} + sparse {:.2}",
-        inputs.describe(false),
-        median(&dense_samples),
-        median(&routed_samples),
-        median(&ratios),
-        timing.probe_ms,
-        timing.index_ms,
-        timing.routing_ms,
-        timing.lists_ms,
-        timing.kernel_ms,
-        timing.dense_kernel_ms,
-        timing.sparse_kernel_ms,
-    );
-    let list = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(", ");
-    println!(
-        "  runs: dense [{}] ms, routed [{}] ms, ratios [{}]",
-        list(&dense_samples),
-        list(&routed_samples),
-        list(&ratios)
-    );
-    println!("  probe and index kernels (GPU ms, the median run): {:?}", timing.probe_kernels_ms);
-    println!("  the audited pass (after the runs):");
-    for layer in &report.layers {
-        for h in &layer.heads {
-            println!("  pos0 {} {h}", layer.pos0);
+        let (mut dense_samples, mut routed_samples, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        let mut reports = Vec::new();
+        for _ in 0..runs {
+            let dense_ms = measured.dense(ctx, &dense)?;
+            *routed.report.lock().unwrap_or_else(|p| p.into_inner()) = Default::default();
+            measured.routed(ctx, &routed, &dense)?;
+            let report = std::mem::take(&mut *routed.report.lock().unwrap_or_else(|p| p.into_inner()));
+            let routed_ms = report.timing.routed_wall_ms;
+            dense_samples.push(dense_ms);
+            routed_samples.push(routed_ms);
+            ratios.push(dense_ms / routed_ms);
+            reports.push(report);
         }
+        // The repetition of the median ratio, for its time split.
+        let mut order: Vec<usize> = (0..runs).collect();
+        order.sort_by(|&a, &b| ratios[a].total_cmp(&ratios[b]));
+        let timing = &reports[order[runs / 2]].timing;
+        let audited = RoutedAttention::new(
+            ctx,
+            path,
+            (d, hq / hk),
+            RouteSettings { audit: true, ..settings },
+            Some(profile.clone()),
+        )?;
+        measured.routed(ctx, &audited, &dense)?;
+        let mut report = audited.report.lock().unwrap_or_else(|p| p.into_inner());
+        report.summarize();
+        println!(
+            "compare N={n} {hq}/{hk} heads d={d} ({}), τ {tau}, budget {budget}, recent rows bounded {recent_rows}, δ {delta:.4}, \
+             {runs} alternating runs after a warm-up of each: dense {:.2} ms (GPU timestamps), routed {:.2} ms \
+             (wall clock, readbacks included), medians; dense/routed {:.2}x (median of the runs' ratios); \
+             the median run's routed time: probe {:.2} + index {:.2} GPU, routing {:.2} + lists {:.2} CPU, \
+             kernel {:.2} GPU = dense {:.2} + sparse {:.2}",
+            inputs.describe(false),
+            median(&dense_samples),
+            median(&routed_samples),
+            median(&ratios),
+            timing.probe_ms,
+            timing.index_ms,
+            timing.routing_ms,
+            timing.lists_ms,
+            timing.kernel_ms,
+            timing.dense_kernel_ms,
+            timing.sparse_kernel_ms,
+        );
+        let list = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(", ");
+        println!(
+            "  runs: dense [{}] ms, routed [{}] ms, ratios [{}]",
+            list(&dense_samples),
+            list(&routed_samples),
+            list(&ratios)
+        );
+        println!("  probe and index kernels (GPU ms, the median run): {:?}", timing.probe_kernels_ms);
+        println!("  the audited pass (after the runs):");
+        for layer in &report.layers {
+            for h in &layer.heads {
+                println!("  pos0 {} {h}", layer.pos0);
+            }
+        }
+        println!(
+            "  fallback rate {:.3}, coverage {:?}, layers within budget {}/{}",
+            report.summary.fallback_rate,
+            report.summary.coverage,
+            report.summary.layers_within_budget,
+            report.layers.len()
+        );
     }
-    println!(
-        "  fallback rate {:.3}, coverage {:?}, layers within budget {}/{}",
-        report.summary.fallback_rate,
-        report.summary.coverage,
-        report.summary.layers_within_budget,
-        report.layers.len()
-    );
+    measured.recycle(ctx);
     Ok(())
 }
 
