@@ -101,15 +101,22 @@ var<private> v_next: array<vec4<f16>, 8>;
 var<private> key_next: u32;
 
 // Span entries e0 .. e0 + 32 (and, with `values`, their values) into this
-// invocation's registers.
+// invocation's registers. Each of a subgroup's 32 lanes (lane = lid % 32,
+// one per entry of the tile) finds its entry's position once, and every
+// invocation takes the positions of the entries it loads from those lanes.
+// Finding a position per quad loaded instead (tile_key, with its branch
+// between a listed block and single columns, D / 32 times) cost the sparse
+// kernel twice the dense kernel's time for the same keys at D = 256 on an
+// H200, where the dense key file's tile_key, a select, cost nothing.
 fn fetch(blk: Block, span: Span, e0: u32, lid: u32, values: bool) {
     let quads = D / 4u;
     let tile = tile_at(span, e0);
-    key_next = tile_key(tile, lid % KEYS);
+    let lane_key = tile_key(tile, lid % KEYS);
+    key_next = lane_key;
     for (var i = 0u; i < D / 32u; i++) {
         let e = lid + i * 256u;
         // An entry past the span reads position 0, and the mask drops it.
-        let j = tile_key(tile, e / quads);
+        let j = subgroupShuffle(lane_key, e / quads);
         let at = (select(j, 0u, j == NO_KEY) * shape.n_kv_head + blk.kv_head) * quads + e % quads;
         k_next[i] = k[at];
         if values {
