@@ -3,7 +3,8 @@
 //! place of FLOP counts.
 //!
 //! `sift gpu-profile` measures it and writes it to a file named after the
-//! adapter, the driver, the kernel path and the head shape (under
+//! adapter, the driver, the kernel path, the head shape and a digest of the
+//! attention kernels' source (under
 //! `$SIFT_CACHE_DIR`, else `$XDG_CACHE_HOME/sift`, else `~/.cache/sift`);
 //! a routed prefill reads it, and refuses to route without one. Each entry is
 //! the median GPU time of one dispatch over every KV head of the shape,
@@ -75,14 +76,19 @@ pub struct ProbeEntry {
 }
 
 impl LatencyProfile {
-    /// Where the profile of this adapter and head shape lives.
+    /// Where the profile of this adapter and head shape lives. The name holds
+    /// a digest of the attention kernels' WGSL as this build compiles them, so
+    /// a build whose kernels changed (and with them the time per key the
+    /// router prices each pattern at) measures its own profile instead of
+    /// reading an older build's.
     pub fn file(ctx: &GpuContext, path: KernelPath, head_dim: u32, n_head: u32, n_kv_head: u32) -> PathBuf {
         let name = format!(
-            "gpu-profile-{}-{}-{}-{}-d{head_dim}-h{n_head}x{n_kv_head}.json",
+            "gpu-profile-{}-{}-{}-{}-d{head_dim}-h{n_head}x{n_kv_head}-k{:016x}.json",
             ctx.info.name,
             ctx.info.driver,
             ctx.info.driver_info,
-            path.name()
+            path.name(),
+            kernels_digest(path, head_dim)
         );
         let safe: String =
             name.chars().map(|c| if c.is_ascii_alphanumeric() || ".-_".contains(c) { c } else { '_' }).collect();
@@ -267,6 +273,17 @@ impl LatencyProfile {
 }
 
 /// `$SIFT_CACHE_DIR`, else `$XDG_CACHE_HOME/sift`, else `~/.cache/sift`.
+/// FNV-1a over the dense and the sparse attention kernel's source and header
+/// on `path` at `head_dim`: stable across builds and toolchains, changed by
+/// any edit of the shaders they are made of.
+fn kernels_digest(path: KernelPath, head_dim: u32) -> u64 {
+    [false, true]
+        .into_iter()
+        .map(|sparse| crate::gpu::attention::shader(path, head_dim, 1, sparse))
+        .flat_map(|(source, header)| header.into_bytes().into_iter().chain(source.bytes()))
+        .fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
 pub fn cache_dir() -> PathBuf {
     std::env::var_os("SIFT_CACHE_DIR")
         .map(PathBuf::from)
@@ -329,6 +346,14 @@ fn synthetic_mask(c: Candidate, n: u32) -> Mask {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernels_digest_follows_the_compiled_source() {
+        let tiled = kernels_digest(KernelPath::Tiled, 128);
+        assert_eq!(tiled, kernels_digest(KernelPath::Tiled, 128));
+        assert_ne!(tiled, kernels_digest(KernelPath::Tiled, 256), "the header's D");
+        assert_ne!(tiled, kernels_digest(KernelPath::CooperativeMatrix, 128), "another shader");
+    }
 
     #[test]
     fn times_interpolate_between_buckets_and_scale_past_them() {
