@@ -25,6 +25,7 @@ use half::f16;
 use sift::engine::Session;
 use sift::gpu::attention::{Attention, AttentionShape, BLOCK};
 use sift::gpu::prefill::GpuPrefill;
+use sift::gpu::report::HeadReport;
 use sift::gpu::route::calibration::CalibrationFile;
 use sift::gpu::route::captured::{tile, CapturedLayer, CapturedPassage};
 use sift::gpu::route::profile::{median, LatencyProfile, BUCKETS};
@@ -414,6 +415,7 @@ fn compare(
         for layer in &report.layers {
             for h in &layer.heads {
                 println!("  pos0 {} {h}", layer.pos0);
+                println!("    highest m̲ per pattern: {}", highest_lower_bounds(h));
             }
         }
         println!(
@@ -426,6 +428,21 @@ fn compare(
     }
     measured.recycle(ctx);
     Ok(())
+}
+
+/// For each sparse pattern, the candidate the router weighed for `head` with
+/// the highest m̲ (the cheapest of equals): how far the head was from a
+/// sparse choice.
+fn highest_lower_bounds(head: &HeadReport) -> String {
+    let best = |pattern: Pattern| {
+        let weighed = head.candidates.iter().filter(|c| c.pattern == pattern.name());
+        let c = weighed.max_by(|a, b| a.mass_lower.total_cmp(&b.mass_lower).then(b.time_us.total_cmp(&a.time_us)))?;
+        Some(format!(
+            "{} {:?} m̂ {:.3} m̲ {:.3} ({:.0} µs)",
+            c.pattern, c.budget, c.mass_estimate, c.mass_lower, c.time_us
+        ))
+    };
+    Pattern::SPARSE.into_iter().filter_map(best).collect::<Vec<_>>().join(", ")
 }
 
 /// `--compare`'s inputs on the GPU: keys, values, each chunk's queries (so
