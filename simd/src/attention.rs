@@ -860,8 +860,38 @@ unsafe fn code_lanes<V: Lanes<L>, const L: usize>(packed: &[u8], j: usize, width
 }
 
 /// The portable table's entries.
+/// `sum[d] += w · v[d]` in f64, as [`Kernels::add_scaled_f64`](crate::Kernels::add_scaled_f64)
+/// says: plain loops, vectorized for whatever features the caller's entry enables,
+/// with every operation the same.
+#[inline(always)]
+pub(crate) fn add_scaled_f64(w: f64, v: &[f32], sum: &mut [f64]) {
+    for (s, &x) in sum.iter_mut().zip(v) {
+        *s += w * f64::from(x);
+    }
+}
+
+/// `‖v‖²` in f64, in eight partial sums, as
+/// [`Kernels::squared_norm_f64`](crate::Kernels::squared_norm_f64) says.
+#[inline(always)]
+pub(crate) fn squared_norm_f64(v: &[f32]) -> f64 {
+    let mut sums = [0.0f64; 8];
+    let chunks = v.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (sum, &x) in sums.iter_mut().zip(chunk) {
+            *sum += f64::from(x) * f64::from(x);
+        }
+    }
+    for (sum, &x) in sums.iter_mut().zip(rest) {
+        *sum += f64::from(x) * f64::from(x);
+    }
+    sums.iter().sum()
+}
+
 pub(crate) mod portable {
     use super::*;
+
+    pub(crate) use super::{add_scaled_f64, squared_norm_f64};
 
     /// Table entry: [`scores`](super::scores) of f16 keys (lengths checked by the
     /// caller).

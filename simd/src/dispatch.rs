@@ -39,6 +39,11 @@ pub(crate) type SoftmaxExpFn = unsafe fn(x: &mut [f32], max: f32) -> f32;
 /// `out[h] += Σⱼ weights[h · stride + j] · values[j]` over rows of `dim` (> 0) elements.
 pub(crate) type AddWeightedFn = unsafe fn(dim: usize, weights: &[f32], stride: usize, values: &[f16], out: &mut [f32]);
 
+/// `sum[d] += w · v[d]` in f64 (see [`Kernels::add_scaled_f64`]); equal lengths.
+pub(crate) type AddScaledF64Fn = unsafe fn(w: f64, v: &[f32], sum: &mut [f64]);
+/// `‖v‖²` in f64 (see [`Kernels::squared_norm_f64`]).
+pub(crate) type SquaredNormF64Fn = unsafe fn(v: &[f32]) -> f64;
+
 /// f16 levels of rows of affine codes (see [`Kernels::levels_f16`]).
 pub(crate) type LevelsF16Fn = unsafe fn(rows: &CodeRows, out: &mut [f16]);
 /// [`ScoresFn`] over the levels of rows of affine codes.
@@ -123,6 +128,8 @@ pub(crate) struct AttentionKernels {
     pub(crate) levels_f16: LevelsF16Fn,
     pub(crate) scores_coded: ScoresCodedFn,
     pub(crate) add_weighted_coded: AddWeightedCodedFn,
+    pub(crate) add_scaled_f64: AddScaledF64Fn,
+    pub(crate) squared_norm_f64: SquaredNormF64Fn,
 }
 
 /// The key sketch's scan (see [`crate::sketch`]).
@@ -365,6 +372,8 @@ const SCALAR: Kernels = Kernels {
         levels_f16: crate::attention::portable::levels_f16,
         scores_coded: crate::attention::portable::scores_coded,
         add_weighted_coded: crate::attention::portable::add_weighted_coded,
+        add_scaled_f64: crate::attention::portable::add_scaled_f64,
+        squared_norm_f64: crate::attention::portable::squared_norm_f64,
     },
     sketch: SketchKernels {
         dots: crate::sketch::portable::dots,
@@ -589,6 +598,25 @@ impl Kernels {
     pub fn softmax_exp(&self, x: &mut [f32], max: f32) -> f32 {
         // SAFETY: the table's ISA is supported (see module docs).
         unsafe { (self.attention.softmax_exp)(x, max) }
+    }
+
+    /// `sum[d] += w · v[d]` in f64, for sums kept in f64 (a sparse attention's
+    /// estimates): each product rounded, then each sum, never fused, so every table
+    /// gives the same bits (and `w = ±1` adds or subtracts `v` exactly).
+    ///
+    /// # Panics
+    /// If `v` and `sum` differ in length.
+    pub fn add_scaled_f64(&self, w: f64, v: &[f32], sum: &mut [f64]) {
+        assert_eq!(v.len(), sum.len(), "{} numbers added to {} sums", v.len(), sum.len());
+        // SAFETY: lengths checked above; the table's ISA is supported (see module docs).
+        unsafe { (self.attention.add_scaled_f64)(w, v, sum) }
+    }
+
+    /// `‖v‖²` in f64: coordinate `d`'s square added to partial sum `d mod 8`, the eight
+    /// sums then added in order, the same bits on every table.
+    pub fn squared_norm_f64(&self, v: &[f32]) -> f64 {
+        // SAFETY: the table's ISA is supported (see module docs).
+        unsafe { (self.attention.squared_norm_f64)(v) }
     }
 
     /// `out[h] += Σⱼ weights[h · stride + j] · values[j]`, where `values` and `out` hold

@@ -1,6 +1,8 @@
 //! The attention kernels on every ISA against f64 references: scores and weighted sums
 //! of f16 rows and of coded rows (over the scalar reader's levels) within 1e-5 of
-//! Σ|products|, exponentials within 2e-7 relative, f16 levels bit for bit.
+//! Σ|products|, exponentials within 2e-7 relative, f16 levels bit for bit, and the f64
+//! sums of a sparse attention's estimates bit for bit those of plain f64 arithmetic in
+//! the order the kernels state.
 
 mod common;
 
@@ -167,8 +169,39 @@ fn check_softmax_exp(n: usize, seed: u64) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// `add_scaled_f64` and `squared_norm_f64` against the same sums written out here,
+/// bit for bit: each coordinate's product then sum; the squares in eight partial sums
+/// (coordinate `d` into `d mod 8`) then added in order.
+fn check_f64_sums(n: usize, seed: u64) -> Result<(), TestCaseError> {
+    let mut rng = Rng::new(seed);
+    let v: Vec<f32> = (0..n).map(|_| (rng.normal() * 3.0) as f32).collect();
+    let start: Vec<f64> = (0..n).map(|_| rng.normal() * 100.0).collect();
+    let mut partials = [0.0f64; 8];
+    for (d, &x) in v.iter().enumerate() {
+        partials[d % 8] += f64::from(x) * f64::from(x);
+    }
+    let want_norm = partials.iter().fold(0.0, |a, &b| a + b);
+    for w in [1.0, -1.0, rng.normal()] {
+        let want: Vec<u64> = start.iter().zip(&v).map(|(&s, &x)| (s + w * f64::from(x)).to_bits()).collect();
+        for k in all_tables() {
+            let mut sum = start.clone();
+            k.add_scaled_f64(w, &v, &mut sum);
+            let got: Vec<u64> = sum.iter().map(|s| s.to_bits()).collect();
+            prop_assert!(got == want, "add_scaled_f64 of {n} with w = {w} on {}", k.isa());
+            let norm = k.squared_norm_f64(&v);
+            prop_assert!(norm.to_bits() == want_norm.to_bits(), "‖v‖² of {n} on {}: {norm} vs {want_norm}", k.isa());
+        }
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    #[test]
+    fn f64_sums_are_plain_f64_arithmetic(n in 0usize..=300, seed in any::<u64>()) {
+        check_f64_sums(n, seed)?;
+    }
 
     #[test]
     fn scores_match_f64(

@@ -229,6 +229,20 @@ macro_rules! attention_entries {
             use super::*;
 
             /// # Safety
+            /// The CPU must support the features; lengths as `dispatch::AddScaledF64Fn`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn add_scaled_f64(w: f64, v: &[f32], sum: &mut [f64]) {
+                crate::attention::add_scaled_f64(w, v, sum)
+            }
+
+            /// # Safety
+            /// The CPU must support the features.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn squared_norm_f64(v: &[f32]) -> f64 {
+                crate::attention::squared_norm_f64(v)
+            }
+
+            /// # Safety
             /// The CPU must support the features; lengths as `dispatch::ScoresFn`.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn scores(dim: usize, queries: &[f32], keys: &[f16], out: &mut [f32], stride: usize) {
@@ -304,6 +318,8 @@ pub(super) const AVX2: AttentionKernels = AttentionKernels {
     levels_f16: avx2::levels_f16,
     scores_coded: avx2::scores_coded,
     add_weighted_coded: avx2::add_weighted_coded,
+    add_scaled_f64: avx2::add_scaled_f64,
+    squared_norm_f64: avx2::squared_norm_f64,
 };
 
 /// The AVX-512 attention entries.
@@ -314,4 +330,6 @@ pub(super) const AVX512: AttentionKernels = AttentionKernels {
     levels_f16: avx512::levels_f16,
     scores_coded: avx512::scores_coded,
     add_weighted_coded: avx512::add_weighted_coded,
+    add_scaled_f64: avx512::add_scaled_f64,
+    squared_norm_f64: avx512::squared_norm_f64,
 };

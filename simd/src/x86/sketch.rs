@@ -449,11 +449,122 @@ unsafe fn rounded127(x: __m256) -> __m256 {
     }
 }
 
+/// [`prepare_ymm`]'s chunk of channels from `c`: its terms added to `acc`,
+/// its weights and residuals stored.
+///
+/// # Safety
+/// The CPU must support AVX2; the lengths are equal.
+#[inline(always)]
+unsafe fn prepare_chunk(
+    (q, min, step): (&[f32], &[f32], &[f32]),
+    scales: &PrepareScales,
+    c: usize,
+    acc: &mut [__m256; 12],
+    weights: &mut [i8],
+    residuals: &mut [i8],
+) {
+    let load = |x: &[f32]| -> __m256 { bytemuck::cast(lanes8(x, c)) };
+    // SAFETY: the caller's ISA guarantee.
+    unsafe {
+        let splat = _mm256_set1_ps;
+        let (alpha, alpha2) = (splat(scales.alpha), splat(scales.alpha2));
+        let (inverse, inverse2) = (splat(scales.inverse()), splat(scales.inverse2()));
+        let (sign, zero, top_code) = (splat(-0.0), _mm256_setzero_ps(), splat(255.0));
+        let (qv, minv, stepv) = (load(q), load(min), load(step));
+        let a = _mm256_mul_ps(qv, stepv);
+        let w = rounded127(_mm256_mul_ps(a, inverse));
+        let aw = _mm256_mul_ps(alpha, w);
+        let delta = _mm256_sub_ps(a, aw);
+        let r = rounded127(_mm256_mul_ps(delta, inverse2));
+        let residual = _mm256_sub_ps(delta, _mm256_mul_ps(alpha2, r));
+        let centre = _mm256_mul_ps(qv, minv);
+        let terms = [
+            centre,
+            a,
+            abs8(a),
+            _mm256_max_ps(delta, zero),
+            _mm256_max_ps(_mm256_xor_ps(sign, delta), zero),
+            _mm256_max_ps(residual, zero),
+            _mm256_max_ps(_mm256_xor_ps(sign, residual), zero),
+            abs8(centre),
+            _mm256_add_ps(abs8(a), abs8(aw)),
+            _mm256_mul_ps(abs8(qv), _mm256_add_ps(abs8(minv), _mm256_mul_ps(top_code, stepv))),
+            abs8(w),
+            abs8(r),
+        ];
+        for (acc, term) in acc.iter_mut().zip(terms) {
+            *acc = _mm256_add_ps(*acc, term);
+        }
+        // Integers within ±127: exact as i32, and as bytes after the
+        // saturating packs (which keep them).
+        let packed = _mm256_packs_epi32(_mm256_cvtps_epi32(w), _mm256_cvtps_epi32(r));
+        let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
+        let bytes: [i8; 16] =
+            bytemuck::cast(_mm_packs_epi16(_mm256_castsi256_si128(packed), _mm256_extracti128_si256::<1>(packed)));
+        match (weights[c..].first_chunk_mut::<8>(), residuals[c..].first_chunk_mut::<8>()) {
+            (Some(w), Some(r)) => {
+                *w = *bytes[..8].first_chunk().expect("eight weights");
+                *r = *bytes[8..].first_chunk().expect("eight residuals");
+            }
+            _ => {
+                let len = q.len() - c;
+                weights[c..].copy_from_slice(&bytes[..len]);
+                residuals[c..].copy_from_slice(&bytes[8..8 + len]);
+            }
+        }
+    }
+}
+
 /// `Kernels::sketch_prepare` in ymm registers, for every x86 table: eight
 /// channels a vector, chunk `k` adding to the half `k mod 2` of the sixteen
 /// lanes, every operation the portable one's (no fused multiply-adds), so
 /// the bits are the same. The weights and residuals, integers within
-/// ±127, are stored eight at a time as bytes.
+/// ±127, are stored eight at a time as bytes. The two halves' 24 sums are
+/// named, not indexed, so that they can stay in registers (where the table
+/// has the 32 of AVX-512).
+///
+/// # Safety
+/// The CPU must support AVX2; the lengths are equal.
+#[inline(always)]
+unsafe fn prepare_ymm(
+    q: &[f32],
+    min: &[f32],
+    step: &[f32],
+    weights: &mut [i8],
+    residuals: &mut [i8],
+) -> (PrepareScales, PrepareSums) {
+    let n = q.len();
+    let load = |x: &[f32], c: usize| -> __m256 { bytemuck::cast(lanes8(x, c)) };
+    // SAFETY: the caller's ISA guarantee.
+    let mut most = unsafe { _mm256_setzero_ps() };
+    for c in (0..n).step_by(8) {
+        // SAFETY: the caller's ISA guarantee.
+        most = unsafe { _mm256_max_ps(abs8(_mm256_mul_ps(load(q, c), load(step, c))), most) };
+    }
+    let lanes: [f32; 8] = bytemuck::cast(most);
+    let a_max = lanes.iter().fold(0.0f32, |m, &a| if a > m { a } else { m });
+    let scales = PrepareScales::of(a_max);
+    // SAFETY: the caller's ISA guarantee.
+    let zero = unsafe { _mm256_setzero_ps() };
+    let (mut even, mut odd) = ([zero; 12], [zero; 12]);
+    let inputs = (q, min, step);
+    for c in (0..n).step_by(16) {
+        // SAFETY: the caller's ISA guarantee and lengths.
+        unsafe { prepare_chunk(inputs, &scales, c, &mut even, weights, residuals) };
+        if c + 8 < n {
+            // SAFETY: as above.
+            unsafe { prepare_chunk(inputs, &scales, c + 8, &mut odd, weights, residuals) };
+        }
+    }
+    let mut halves = [[0.0f32; 8]; 12];
+    for (half, (&even, &odd)) in halves.iter_mut().zip(even.iter().zip(&odd)) {
+        // SAFETY: the caller's ISA guarantee.
+        *half = bytemuck::cast(unsafe { _mm256_add_ps(even, odd) });
+    }
+    (scales, reduce_prepare(&halves))
+}
+
+/// Table entry over [`prepare_ymm`] for the AVX2 and AVX-VNNI tables.
 ///
 /// # Safety
 /// The CPU must support AVX2; the lengths are equal.
@@ -465,70 +576,17 @@ unsafe fn prepare_avx2(
     weights: &mut [i8],
     residuals: &mut [i8],
 ) -> (PrepareScales, PrepareSums) {
-    let n = q.len();
-    let load = |x: &[f32], c: usize| -> __m256 { bytemuck::cast(lanes8(x, c)) };
-    let mut most = _mm256_setzero_ps();
-    for c in (0..n).step_by(8) {
-        // SAFETY: AVX2 is enabled in this function.
-        most = _mm256_max_ps(unsafe { abs8(_mm256_mul_ps(load(q, c), load(step, c))) }, most);
-    }
-    let lanes: [f32; 8] = bytemuck::cast(most);
-    let a_max = lanes.iter().fold(0.0f32, |m, &a| if a > m { a } else { m });
-    let scales = PrepareScales::of(a_max);
-    let splat = _mm256_set1_ps;
-    let (alpha, alpha2) = (splat(scales.alpha), splat(scales.alpha2));
-    let (inverse, inverse2) = (splat(scales.inverse()), splat(scales.inverse2()));
-    let (sign, zero, top_code) = (splat(-0.0), _mm256_setzero_ps(), splat(255.0));
-    let mut acc = [[_mm256_setzero_ps(); 2]; 12];
-    for (k, c) in (0..n).step_by(8).enumerate() {
-        let (qv, minv, stepv) = (load(q, c), load(min, c), load(step, c));
-        // SAFETY: AVX2 is enabled in this function.
-        let (terms, w, r) = unsafe {
-            let a = _mm256_mul_ps(qv, stepv);
-            let w = rounded127(_mm256_mul_ps(a, inverse));
-            let aw = _mm256_mul_ps(alpha, w);
-            let delta = _mm256_sub_ps(a, aw);
-            let r = rounded127(_mm256_mul_ps(delta, inverse2));
-            let residual = _mm256_sub_ps(delta, _mm256_mul_ps(alpha2, r));
-            let centre = _mm256_mul_ps(qv, minv);
-            let terms = [
-                centre,
-                a,
-                abs8(a),
-                _mm256_max_ps(delta, zero),
-                _mm256_max_ps(_mm256_xor_ps(sign, delta), zero),
-                _mm256_max_ps(residual, zero),
-                _mm256_max_ps(_mm256_xor_ps(sign, residual), zero),
-                abs8(centre),
-                _mm256_add_ps(abs8(a), abs8(aw)),
-                _mm256_mul_ps(abs8(qv), _mm256_add_ps(abs8(minv), _mm256_mul_ps(top_code, stepv))),
-                abs8(w),
-                abs8(r),
-            ];
-            (terms, w, r)
-        };
-        for (acc, term) in acc.iter_mut().zip(terms) {
-            acc[k % 2] = _mm256_add_ps(acc[k % 2], term);
-        }
-        // Integers within ±127: exact as i32, and as bytes after the
-        // saturating packs (which keep them).
-        let packed = _mm256_packs_epi32(_mm256_cvtps_epi32(w), _mm256_cvtps_epi32(r));
-        let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
-        let bytes: [i8; 16] =
-            bytemuck::cast(_mm_packs_epi16(_mm256_castsi256_si128(packed), _mm256_extracti128_si256::<1>(packed)));
-        let len = (n - c).min(8);
-        weights[c..c + len].copy_from_slice(&bytes[..len]);
-        residuals[c..c + len].copy_from_slice(&bytes[8..8 + len]);
-    }
-    let halves = acc.map(|[low, high]| bytemuck::cast::<__m256, [f32; 8]>(_mm256_add_ps(low, high)));
-    (scales, reduce_prepare(&halves))
+    // SAFETY: passed on.
+    unsafe { prepare_ymm(q, min, step, weights, residuals) }
 }
 
-/// Table entry over [`prepare_avx2`].
+/// Table entry over [`prepare_ymm`] for the AVX-512 table: the same
+/// operations, with 32 registers to keep its sums in.
 ///
 /// # Safety
-/// As [`prepare_avx2`].
-unsafe fn prepare_entry(
+/// The CPU must support AVX-512 F and VL; the lengths are equal.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn prepare_avx512(
     q: &[f32],
     min: &[f32],
     step: &[f32],
@@ -536,7 +594,7 @@ unsafe fn prepare_entry(
     residuals: &mut [i8],
 ) -> (PrepareScales, PrepareSums) {
     // SAFETY: passed on.
-    unsafe { prepare_avx2(q, min, step, weights, residuals) }
+    unsafe { prepare_ymm(q, min, step, weights, residuals) }
 }
 
 /// Table entry over [`first_levels_avx2`].
@@ -564,7 +622,7 @@ pub(super) const AVX2: SketchKernels = SketchKernels {
     bounds: avx2::bounds,
     refine_page: avx2::refine_page,
     levels: levels_avx2,
-    prepare: prepare_entry,
+    prepare: prepare_avx2,
 };
 
 /// The AVX-VNNI scan entries.
@@ -574,7 +632,7 @@ pub(super) const AVXVNNI: SketchKernels = SketchKernels {
     bounds: avxvnni::bounds,
     refine_page: avxvnni::refine_page,
     levels: levels_avx2,
-    prepare: prepare_entry,
+    prepare: prepare_avx2,
 };
 
 /// The AVX-512 VNNI scan entries.
@@ -584,5 +642,5 @@ pub(super) const AVX512: SketchKernels = SketchKernels {
     bounds: avx512::bounds,
     refine_page: avx512::refine_page,
     levels: levels_avx512,
-    prepare: prepare_entry,
+    prepare: prepare_avx512,
 };

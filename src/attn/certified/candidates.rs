@@ -43,9 +43,10 @@
 //! its 8-bit bound) reads the key once for every head of the group
 //! ([`GroupReads`]), as dense attention reads each key once for the group.
 //! The key rows a head scores at one level are asked of the caches first,
-//! then gathered end to end for one kernel call, and the values of the keys
-//! it scored are asked for too: these rows lie scattered over the cache,
-//! and read one by one each would wait on memory.
+//! then gathered end to end for one kernel call, and the value rows of the
+//! keys that enter at a level are asked for before the first is read: these
+//! rows lie scattered over the cache, and read one by one each would wait
+//! on memory.
 //!
 //! # Bytes
 //!
@@ -290,50 +291,57 @@ impl Stretch {
     }
 }
 
-/// Numbers per key for the group's heads, valid for the current call only:
-/// each key's stamp says whether its numbers are this call's, so starting a
-/// call writes nothing per key.
+/// Scores per key for the group's heads, valid for the current call only:
+/// each key's stamp says whether its scores are this call's, so starting a
+/// call writes nothing per key. A key's stamp and scores lie side by side,
+/// so that looking one up, at keys scattered over the pool, touches one
+/// cache line rather than two.
 #[derive(Default)]
-struct Memo<T> {
-    values: Vec<T>,
-    stamps: Vec<u32>,
+struct Memo {
+    /// Per key: the stamp, then `width` scores as f32 bits.
+    entries: Vec<u32>,
     width: usize,
     stamp: u32,
 }
 
-impl<T: Copy + Default> Memo<T> {
-    /// Forgets every number, for `keys` keys of `width` numbers.
+impl Memo {
+    /// Forgets every score, for `keys` keys of `width` scores.
     fn reset(&mut self, keys: usize, width: usize) {
         if width != self.width {
-            self.stamps.clear();
+            self.entries.clear();
             self.width = width;
         }
-        self.stamps.resize(keys, 0);
-        self.values.resize(keys * width, T::default());
+        self.entries.resize(keys * (width + 1), 0);
         self.stamp = self.stamp.wrapping_add(1);
         if self.stamp == 0 {
-            self.stamps.fill(0);
+            self.entries.fill(0);
             self.stamp = 1;
         }
     }
 
-    fn get(&self, key: usize) -> Option<&[T]> {
-        (self.stamps[key] == self.stamp).then(|| &self.values[key * self.width..][..self.width])
+    fn entry(&self, key: usize) -> &[u32] {
+        &self.entries[key * (self.width + 1)..][..self.width + 1]
     }
 
-    fn set(&mut self, key: usize) -> &mut [T] {
-        self.stamps[key] = self.stamp;
-        &mut self.values[key * self.width..][..self.width]
+    fn get(&self, key: usize) -> Option<&[f32]> {
+        let entry = self.entry(key);
+        (entry[0] == self.stamp).then(|| bytemuck::cast_slice(&entry[1..]))
+    }
+
+    fn set(&mut self, key: usize) -> &mut [f32] {
+        let width = self.width;
+        let entry = &mut self.entries[key * (width + 1)..][..width + 1];
+        entry[0] = self.stamp;
+        bytemuck::cast_slice_mut(&mut entry[1..])
     }
 }
 
 /// What the group's heads have read of its keys this call, for all of them
 /// at once: exact scores (keys numbered as the exact set, sinks then
-/// window, then the pool) and the pool keys' perturbations.
+/// window, then the pool).
 #[derive(Default)]
 pub struct GroupReads {
-    scores: Memo<f32>,
-    exponentials: Memo<f64>,
+    scores: Memo,
     dots: Vec<f32>,
     /// The exact key rows to score, end to end.
     gathered: Vec<f16>,
@@ -341,10 +349,9 @@ pub struct GroupReads {
 
 impl GroupReads {
     /// Forgets everything, for `keys` keys (the exact set's and the pool's)
-    /// and `pool` pool keys, of `n_gqa` heads.
-    pub fn reset(&mut self, keys: usize, pool: usize, n_gqa: usize) {
+    /// of `n_gqa` heads.
+    pub fn reset(&mut self, keys: usize, n_gqa: usize) {
         self.scores.reset(keys, n_gqa);
-        self.exponentials.reset(pool, 1);
     }
 
     /// The largest of query head `g`'s exact-set scores, once read.
@@ -464,18 +471,6 @@ impl<'a> CacheHead<'a> {
         }
     }
 
-    /// Asks the caches for the values of the pool keys `indices`, which are
-    /// read soon (most keys scored enter the sample).
-    fn prefetch_values(&self, indices: &[u32]) {
-        let start = self.split.pool.start;
-        for &i in indices {
-            let pos = start + i as usize;
-            if let Some(Rows::Exact(row)) = self.cache().value_rows(self.rows.head, pos..pos + 1).next() {
-                simd::prefetch(row);
-            }
-        }
-    }
-
     /// The score of key `key`, once read.
     fn score(&self, key: usize) -> f64 {
         f64::from(self.reads.scores.get(key).expect("a key read")[self.g])
@@ -484,10 +479,7 @@ impl<'a> CacheHead<'a> {
     fn value_at(&mut self, pos: usize, out: &mut [f32]) {
         match self.cache().value_rows(self.rows.head, pos..pos + 1).next().expect("one row") {
             Rows::Exact(row) => {
-                // The weighted sum of the row alone with the weight 1 is the
-                // row in f32, exactly.
-                out.fill(0.0);
-                simd::kernels().add_weighted_f16(self.rows.dim_v, &[1.0], 1, row, out);
+                simd::kernels().dequantize_row(simd::WeightType::F16, bytemuck::cast_slice(row), out);
                 self.bytes.values += std::mem::size_of_val(row);
             }
             Rows::Coded(values, rows) => {
@@ -549,7 +541,6 @@ impl HeadKeys for CacheHead<'_> {
     fn pool_scores(&mut self, indices: &[u32], out: &mut [f64]) {
         let (skip, start) = (self.exact_len(), self.split.pool.start);
         self.read_scores(indices.iter().map(|&i| skip + i as usize), |key| start + key - skip);
-        self.prefetch_values(indices);
         for (o, &i) in out.iter_mut().zip(indices) {
             *o = self.score(skip + i as usize);
         }
@@ -559,14 +550,22 @@ impl HeadKeys for CacheHead<'_> {
         self.value_at(self.split.pool.start + i, out);
     }
 
-    fn perturbation(&mut self, i: usize) -> f64 {
-        if let Some(e) = self.reads.exponentials.get(i) {
-            return e[0];
+    /// Asks the caches for the values of the pool keys `indices`.
+    fn prefetch_values(&mut self, indices: &[u32]) {
+        let start = self.split.pool.start;
+        for &i in indices {
+            let pos = start + i as usize;
+            if let Some(Rows::Exact(row)) = self.cache().value_rows(self.rows.head, pos..pos + 1).next() {
+                simd::prefetch(row);
+            }
         }
+    }
+
+    /// Drawn anew from the hash: cheaper than remembering it for the group
+    /// (a memo's entries lie scattered like the keys).
+    fn perturbation(&mut self, i: usize) -> f64 {
         let perturbations = self.scan.perturbations.expect("a scanned pool");
-        let e = perturbations.exponential(self.split.pool.start + i);
-        self.reads.exponentials.set(i)[0] = e;
-        e
+        perturbations.exponential(self.split.pool.start + i)
     }
 
     fn value_norm_max(&self) -> f64 {

@@ -24,7 +24,10 @@
 //! *promoted* to the exact part at the level where it becomes heavy, since
 //! `B_j` grows as `τ_j` falls. Everything is summed in f64, so the rounding
 //! (about `10^−16` relative, promotions' subtractions included) is far below
-//! any `ε` a certificate is asked for.
+//! any `ε` a certificate is asked for (the sums run through `simd`'s
+//! [`add_scaled_f64`](simd::Kernels::add_scaled_f64) and
+//! [`squared_norm_f64`](simd::Kernels::squared_norm_f64), the same bits on
+//! every table).
 
 /// The running sums of one level's exact part and light sample.
 #[derive(Clone, Debug, Default)]
@@ -55,30 +58,22 @@ impl LevelSums {
 
     /// A key of the exact set, or a heavy pool key, of weight `w`.
     pub fn add_exact(&mut self, w: f64, value: &[f32]) {
+        let kernels = simd::kernels();
         self.exact_weight += w;
-        let mut square = 0.0;
-        for (n, &v) in self.exact_numerator.iter_mut().zip(value) {
-            let v = f64::from(v);
-            *n += w * v;
-            square += v * v;
-        }
-        self.exact_square += w * square;
+        kernels.add_scaled_f64(w, value, &mut self.exact_numerator);
+        self.exact_square += w * kernels.squared_norm_f64(value);
     }
 
     /// A sampled light key.
     pub fn add_light(&mut self, value: &[f32]) {
         self.light_count += 1;
-        for (n, &v) in self.light_values.iter_mut().zip(value) {
-            *n += f64::from(v);
-        }
+        simd::kernels().add_scaled_f64(1.0, value, &mut self.light_values);
     }
 
     /// A sampled light key of weight `w` that has become heavy.
     pub fn promote(&mut self, w: f64, value: &[f32]) {
         self.light_count -= 1;
-        for (n, &v) in self.light_values.iter_mut().zip(value) {
-            *n -= f64::from(v);
-        }
+        simd::kernels().add_scaled_f64(-1.0, value, &mut self.light_values);
         self.add_exact(w, value);
     }
 

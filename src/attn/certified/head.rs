@@ -93,6 +93,10 @@ pub trait HeadKeys {
     /// The scores of the pool keys `indices` (ascending), into `out`.
     fn pool_scores(&mut self, indices: &[u32], out: &mut [f64]);
     fn pool_value(&mut self, i: usize, out: &mut [f32]);
+    /// A hint that the values of the pool keys `indices` are read next.
+    fn prefetch_values(&mut self, indices: &[u32]) {
+        let _ = indices;
+    }
     /// `E_i ~ Exp(1)`, independent of everything else.
     fn perturbation(&mut self, i: usize) -> f64;
     /// A deterministic bound on every pool value's norm.
@@ -144,6 +148,20 @@ enum Read {
     Scored,
 }
 
+/// A pool key on its way down the levels, with what is known of it: the
+/// walk keeps no state per pool key, so that a level touches only its own
+/// candidates, end to end, rather than arrays as long as the pool at
+/// scattered places.
+#[derive(Clone, Copy, Debug)]
+struct Candidate {
+    key: u32,
+    read: Read,
+    /// `p_i ≥ s_i + E_i`, the tightest bound known.
+    bound: f32,
+    /// The exact score, once `read` says it is scored.
+    score: f64,
+}
+
 /// The per-head driver, with its buffers and the tables of its `δ'`.
 pub struct HeadAttention {
     params: Params,
@@ -153,11 +171,8 @@ pub struct HeadAttention {
     sums: LevelSums,
     /// The exact set's scores.
     exact_scores: Vec<f64>,
-    /// Per pool key: `p_i ≥ s_i + E_i`, the tightest bound known.
-    perturbed: Vec<f32>,
-    read: Vec<Read>,
-    /// Per pool key: its exact score, where `read` says it is scored.
-    scores: Vec<f64>,
+    /// Per pool key: `p_i ≥ s_i + E_i` from the scan.
+    bounds: Vec<f32>,
     buckets: Buckets,
     /// Per level: the sampled light keys (row in `light_rows`, weight) that
     /// become heavy there.
@@ -165,8 +180,12 @@ pub struct HeadAttention {
     light_rows: Vec<f32>,
     /// The candidates of the level being processed (its bucket), and the
     /// bounds or scores of some of them.
-    candidates: Vec<u32>,
+    candidates: Vec<Candidate>,
     batch: Vec<u32>,
+    /// The candidates that enter the sample at the level being processed,
+    /// and their scores.
+    entering: Vec<u32>,
+    entering_scores: Vec<f64>,
     numbers: Vec<f64>,
     value: Vec<f32>,
     output: Vec<f64>,
@@ -181,14 +200,14 @@ impl HeadAttention {
             log_term: (2.0 / delta).ln(),
             sums: LevelSums::default(),
             exact_scores: Vec::new(),
-            perturbed: Vec::new(),
-            read: Vec::new(),
-            scores: Vec::new(),
+            bounds: Vec::new(),
             buckets: Buckets::default(),
             promotions: vec![Vec::new(); params.grid.levels()],
             light_rows: Vec::new(),
             candidates: Vec::new(),
             batch: Vec::new(),
+            entering: Vec::new(),
+            entering_scores: Vec::new(),
             numbers: Vec::new(),
             value: Vec::new(),
             output: Vec::new(),
@@ -224,12 +243,9 @@ impl HeadAttention {
         self.add_exact_set(keys, c);
         self.promotions.iter_mut().for_each(Vec::clear);
         self.light_rows.clear();
-        self.perturbed.resize(pool, 0.0);
-        keys.perturbed_uppers(&mut self.perturbed);
-        self.read.clear();
-        self.read.resize(pool, Read::Scanned);
-        self.scores.resize(pool, 0.0);
-        self.buckets.sort(&self.perturbed, c, &grid);
+        self.bounds.resize(pool, 0.0);
+        keys.perturbed_uppers(&mut self.bounds);
+        self.buckets.sort(&self.bounds, c, &grid);
         let last = match stop {
             Stop::Certified => grid.last,
             Stop::AtLevel(j) => j.min(grid.last),
@@ -267,36 +283,36 @@ impl HeadAttention {
         for &(row, w) in &self.promotions[j] {
             self.sums.promote(w, &self.light_rows[row as usize * dim..][..dim]);
         }
-        self.buckets.take(j, &mut self.candidates);
+        self.buckets.take(j, &self.bounds, &mut self.candidates);
         if self.candidates.is_empty() {
             return;
         }
         // Refine the keys seen for the first time.
         self.batch.clear();
-        self.batch.extend(self.candidates.iter().copied().filter(|&i| self.read[i as usize] == Read::Scanned));
+        self.batch.extend(self.candidates.iter().filter(|k| k.read == Read::Scanned).map(|k| k.key));
         if keys.refines() && !self.batch.is_empty() {
             self.numbers.resize(self.batch.len(), 0.0);
             keys.refine(&self.batch, &mut self.numbers);
             record.refined += self.batch.len();
-            for (&i, &bound) in self.batch.iter().zip(&self.numbers) {
-                let i = i as usize;
-                self.read[i] = Read::Refined;
-                self.perturbed[i] = self.perturbed[i].min(f32_up(bound));
+            let mut refined = self.numbers.iter();
+            for k in self.candidates.iter_mut().filter(|k| k.read == Read::Scanned) {
+                let bound = *refined.next().expect("a bound per key refined");
+                k.read = Read::Refined;
+                k.bound = k.bound.min(f32_up(bound));
             }
         }
         // Score the keys whose bound still reaches the level; the others wait
         // for the level it reaches. (Keys scored already enter here.)
         self.batch.clear();
         let threshold = self.buckets.threshold(j);
-        for &i in &self.candidates {
-            let (read, p) = (self.read[i as usize], self.perturbed[i as usize]);
-            if read == Read::Scored {
+        for k in &self.candidates {
+            if k.read == Read::Scored {
                 continue;
             }
-            if p >= threshold {
-                self.batch.push(i);
+            if k.bound >= threshold {
+                self.batch.push(k.key);
             } else {
-                self.buckets.postpone(i, self.buckets.first_level(p));
+                self.buckets.postpone(*k, self.buckets.first_level(k.bound));
             }
         }
         self.numbers.resize(self.batch.len(), 0.0);
@@ -304,31 +320,38 @@ impl HeadAttention {
             keys.pool_scores(&self.batch, &mut self.numbers);
         }
         // In key order: the keys just scored (the batch is in that order)
-        // that enter now, and those scored before, due now.
+        // that enter now, and those scored before, due now. Their values are
+        // asked for together before any is read: they lie scattered.
+        self.entering.clear();
+        self.entering_scores.clear();
         let mut scored = 0;
         for k in 0..self.candidates.len() {
-            let i = self.candidates[k] as usize;
-            let s = if self.batch.get(scored) == Some(&(i as u32)) {
+            let mut candidate = self.candidates[k];
+            if candidate.read == Read::Scored {
+                self.entering.push(candidate.key);
+                self.entering_scores.push(candidate.score);
+            } else if self.batch.get(scored) == Some(&candidate.key) {
                 let s = self.numbers[scored];
                 scored += 1;
-                self.read[i] = Read::Scored;
-                self.scores[i] = s;
                 record.scored += 1;
-                let entry = grid.level_of(s - c + keys.perturbation(i));
+                let entry = grid.level_of(s - c + keys.perturbation(candidate.key as usize));
                 debug_assert!(entry.is_none_or(|e| e >= j), "a score above its bound");
                 match entry {
-                    Some(e) if e == j => s,
-                    Some(later) => {
-                        self.buckets.postpone(i as u32, later);
-                        continue;
+                    Some(e) if e == j => {
+                        self.entering.push(candidate.key);
+                        self.entering_scores.push(s);
                     }
-                    None => continue,
+                    Some(later) => {
+                        (candidate.read, candidate.score) = (Read::Scored, s);
+                        self.buckets.postpone(candidate, later);
+                    }
+                    None => {}
                 }
-            } else if self.read[i] == Read::Scored {
-                self.scores[i]
-            } else {
-                continue;
-            };
+            }
+        }
+        keys.prefetch_values(&self.entering);
+        for (&i, &s) in self.entering.iter().zip(&self.entering_scores) {
+            let i = i as usize;
             record.values_read += 1;
             keys.pool_value(i, &mut self.value);
             let w = (s - c).exp();
@@ -381,9 +404,9 @@ impl HeadAttention {
 /// rule's rounding and rounded down to f32; the thresholds fall with `j`.
 /// A key with bound `p_i` is first looked at on the first level with
 /// `T_j ≤ p_i` ([`simd::Kernels::first_levels`]): [`Self::sort`] puts the
-/// keys in order of that level by counting (one pass to count, one to
-/// place), and a key the level's reads
-/// postpone is [`Self::postpone`]d to a later level's list.
+/// keys that reach a level in order of that level by counting (one pass to
+/// count, one to place), and a key the level's reads postpone is
+/// [`Self::postpone`]d, with what was learnt of it, to a later level's list.
 #[derive(Default)]
 struct Buckets {
     /// `T_j` per level.
@@ -391,20 +414,20 @@ struct Buckets {
     /// Per pool key: the first level its scanned bound reaches
     /// (`thresholds.len()` for none).
     first: Vec<u8>,
-    /// The keys by first level, ascending within one: level `j`'s are
-    /// `sorted[starts[j]..starts[j + 1]]`.
+    /// The keys that reach a level, by first level, ascending within one:
+    /// level `j`'s are `sorted[starts[j]..starts[j + 1]]`.
     sorted: Vec<u32>,
     starts: Vec<u32>,
     /// Where the next key of each level is placed, while sorting.
     cursors: Vec<u32>,
     /// Per level: keys postponed to it, in no order.
-    postponed: Vec<Vec<u32>>,
+    postponed: Vec<Vec<Candidate>>,
 }
 
 impl Buckets {
-    /// Sorts the keys of bounds `perturbed` by their first level under
-    /// shift `c`.
-    fn sort(&mut self, perturbed: &[f32], c: f64, grid: &Grid) {
+    /// Sorts the keys of bounds `bounds` by their first level under shift
+    /// `c`.
+    fn sort(&mut self, bounds: &[f32], c: f64, grid: &Grid) {
         let levels = grid.levels();
         let margin = 1e-9 * (1.0 + c.abs());
         self.thresholds.clear();
@@ -413,8 +436,8 @@ impl Buckets {
         self.postponed.iter_mut().for_each(Vec::clear);
         self.starts.clear();
         self.starts.resize(levels + 2, 0);
-        self.first.resize(perturbed.len(), 0);
-        simd::kernels().first_levels(perturbed, &self.thresholds, &mut self.first);
+        self.first.resize(bounds.len(), 0);
+        simd::kernels().first_levels(bounds, &self.thresholds, &mut self.first);
         // Counts at `starts[j + 1]`, then their sums, then each key placed.
         for &j in &self.first {
             self.starts[usize::from(j) + 1] += 1;
@@ -422,12 +445,14 @@ impl Buckets {
         for j in 1..self.starts.len() {
             self.starts[j] += self.starts[j - 1];
         }
-        self.sorted.resize(perturbed.len(), 0);
+        self.sorted.resize(self.starts[levels] as usize, 0);
         self.cursors.clone_from(&self.starts);
         for (i, &j) in self.first.iter().enumerate() {
-            let slot = &mut self.cursors[usize::from(j)];
-            self.sorted[*slot as usize] = i as u32;
-            *slot += 1;
+            if usize::from(j) < levels {
+                let slot = &mut self.cursors[usize::from(j)];
+                self.sorted[*slot as usize] = i as u32;
+                *slot += 1;
+            }
         }
     }
 
@@ -442,21 +467,28 @@ impl Buckets {
         usize::from(level[0])
     }
 
-    /// Level `j`'s keys, ascending, into `out`.
-    fn take(&mut self, j: usize, out: &mut Vec<u32>) {
+    /// Level `j`'s keys, ascending, into `out`: those first looked at here
+    /// with their bounds from the scan, `bounds`, and those postponed to it.
+    fn take(&mut self, j: usize, bounds: &[f32], out: &mut Vec<Candidate>) {
         out.clear();
-        out.extend_from_slice(&self.sorted[self.starts[j] as usize..self.starts[j + 1] as usize]);
+        let first = &self.sorted[self.starts[j] as usize..self.starts[j + 1] as usize];
+        out.extend(first.iter().map(|&key| Candidate {
+            key,
+            read: Read::Scanned,
+            bound: bounds[key as usize],
+            score: 0.0,
+        }));
         let postponed = &mut self.postponed[j];
         if !postponed.is_empty() {
             out.append(postponed);
-            out.sort_unstable();
+            out.sort_unstable_by_key(|k| k.key);
         }
     }
 
-    /// Key `i` waits for level `j` (if a level: `j < thresholds.len()`).
-    fn postpone(&mut self, i: u32, j: usize) {
+    /// `key` waits for level `j` (if a level: `j < thresholds.len()`).
+    fn postpone(&mut self, key: Candidate, j: usize) {
         if let Some(list) = self.postponed.get_mut(j) {
-            list.push(i);
+            list.push(key);
         }
     }
 }

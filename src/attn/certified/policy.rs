@@ -69,7 +69,7 @@ impl Group {
         self.records.clear();
         let perturbations = Perturbations::new(seed, call.layer, kv_head, call.step);
         self.scan.scan(call, kv_head, &split, &perturbations);
-        self.reads.reset(self.scan.keys(&split), split.pool.len(), n_gqa);
+        self.reads.reset(self.scan.keys(&split), n_gqa);
         // The exact set's scores, read once for the group's heads.
         let exact = {
             let mut keys = CacheHead::new(call, kv_head, &split, &self.scan, 0, &mut self.reads);
