@@ -564,38 +564,39 @@ unsafe fn prepare_ymm(
     (scales, reduce_prepare(&halves))
 }
 
-/// Table entry over [`prepare_ymm`] for the AVX2 and AVX-VNNI tables.
-///
-/// # Safety
-/// The CPU must support AVX2; the lengths are equal.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn prepare_avx2(
-    q: &[f32],
-    min: &[f32],
-    step: &[f32],
-    weights: &mut [i8],
-    residuals: &mut [i8],
-) -> (PrepareScales, PrepareSums) {
-    // SAFETY: passed on.
-    unsafe { prepare_ymm(q, min, step, weights, residuals) }
+/// Defines `$name`, a table entry over [`prepare_ymm`] compiled for
+/// `$features`.
+macro_rules! prepare_entry {
+    ($(#[$doc:meta])* $name:ident, $features:literal) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The CPU must support the features; the lengths are equal.
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            q: &[f32],
+            min: &[f32],
+            step: &[f32],
+            weights: &mut [i8],
+            residuals: &mut [i8],
+        ) -> (PrepareScales, PrepareSums) {
+            // SAFETY: passed on.
+            unsafe { prepare_ymm(q, min, step, weights, residuals) }
+        }
+    };
 }
 
-/// Table entry over [`prepare_ymm`] for the AVX-512 table: the same
-/// operations, with 32 registers to keep its sums in.
-///
-/// # Safety
-/// The CPU must support AVX-512 F and VL; the lengths are equal.
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
-unsafe fn prepare_avx512(
-    q: &[f32],
-    min: &[f32],
-    step: &[f32],
-    weights: &mut [i8],
-    residuals: &mut [i8],
-) -> (PrepareScales, PrepareSums) {
-    // SAFETY: passed on.
-    unsafe { prepare_ymm(q, min, step, weights, residuals) }
-}
+prepare_entry!(
+    /// The set-up for the AVX2 and AVX-VNNI tables.
+    prepare_avx2,
+    "avx2,fma,f16c"
+);
+prepare_entry!(
+    /// The set-up for the AVX-512 table: the same operations, with 32
+    /// registers to keep its sums in.
+    prepare_avx512,
+    "avx2,fma,f16c,avx512f,avx512vl"
+);
 
 /// Table entry over [`first_levels_avx2`].
 ///

@@ -274,16 +274,12 @@ impl Stretch {
                 let rows = h * PAGE + rows.start..h * PAGE + rows.end;
                 let lower = if refines {
                     let bounds = &self.refined_bounds[rows];
-                    for ((p, b), &e) in perturbed.iter_mut().zip(bounds).zip(exponentials) {
-                        *p = perturbed_upper(scorer.upper(b.refined.upper), e);
-                    }
-                    bounds.iter().fold(f32::NEG_INFINITY, |m, b| m.max(b.scanned.lower))
+                    perturb(scorer, bounds.iter().map(|b| b.refined.upper), exponentials, perturbed);
+                    largest(bounds, |b| b.scanned.lower)
                 } else {
                     let bounds = &self.page_bounds[rows];
-                    for ((p, b), &e) in perturbed.iter_mut().zip(bounds).zip(exponentials) {
-                        *p = perturbed_upper(scorer.upper(b.upper), e);
-                    }
-                    bounds.iter().fold(f32::NEG_INFINITY, |m, b| m.max(b.lower))
+                    perturb(scorer, bounds.iter().map(|b| b.upper), exponentials, perturbed);
+                    largest(bounds, |b| b.lower)
                 };
                 self.lower_max[h] = self.lower_max[h].max(scorer.bounds(lower, lower).0);
             }
@@ -364,6 +360,36 @@ impl GroupReads {
 /// perturbation: their f32 sum moved up past its rounding.
 fn perturbed_upper(upper: f32, e: f32) -> f32 {
     (upper + e) + (upper.abs() + e) * 2f32.powi(-22)
+}
+
+/// `out[i] ≥ s + E` for the keys of `dots`, upper bounds on their dot
+/// products, and `exponentials`, upper bounds on their perturbations:
+/// [`perturbed_upper`] of [`Scorer::upper`], with the scorer's cap decided
+/// once for the run rather than per key (so that the loop without a cap is
+/// plain arithmetic, vectorized).
+fn perturb(scorer: Scorer, dots: impl Iterator<Item = f32>, exponentials: &[f32], out: &mut [f32]) {
+    let keys = out.iter_mut().zip(dots).zip(exponentials);
+    match scorer.softcap {
+        None => keys.for_each(|((p, u), &e)| *p = perturbed_upper(scorer.scale * u, e)),
+        Some(_) => keys.for_each(|((p, u), &e)| *p = perturbed_upper(scorer.upper(u), e)),
+    }
+}
+
+/// The largest `f(item)` of `items` (`−∞` for none), in eight running
+/// maxima rather than one chain of comparisons as long as the page.
+fn largest<T>(items: &[T], f: impl Fn(&T) -> f32) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = items.chunks_exact(8);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (lane, item) in lanes.iter_mut().zip(chunk) {
+            *lane = lane.max(f(item));
+        }
+    }
+    for (lane, item) in lanes.iter_mut().zip(rest) {
+        *lane = lane.max(f(item));
+    }
+    lanes.into_iter().fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// The sketch bytes a scan of one page reads: the channels' minima and steps,

@@ -468,21 +468,21 @@ impl Buckets {
     }
 
     /// Level `j`'s keys, ascending, into `out`: those first looked at here
-    /// with their bounds from the scan, `bounds`, and those postponed to it.
+    /// with their bounds from the scan, `bounds`, merged with those
+    /// postponed to it (sorted alone; no key is in both).
     fn take(&mut self, j: usize, bounds: &[f32], out: &mut Vec<Candidate>) {
         out.clear();
         let first = &self.sorted[self.starts[j] as usize..self.starts[j + 1] as usize];
-        out.extend(first.iter().map(|&key| Candidate {
-            key,
-            read: Read::Scanned,
-            bound: bounds[key as usize],
-            score: 0.0,
-        }));
         let postponed = &mut self.postponed[j];
-        if !postponed.is_empty() {
-            out.append(postponed);
-            out.sort_unstable_by_key(|k| k.key);
+        postponed.sort_unstable_by_key(|k| k.key);
+        let mut postponed = postponed.drain(..).peekable();
+        for &key in first {
+            while let Some(earlier) = postponed.next_if(|k| k.key < key) {
+                out.push(earlier);
+            }
+            out.push(Candidate { key, read: Read::Scanned, bound: bounds[key as usize], score: 0.0 });
         }
+        out.extend(postponed);
     }
 
     /// `key` waits for level `j` (if a level: `j < thresholds.len()`).
