@@ -315,19 +315,20 @@ impl Memo {
         }
     }
 
-    fn entry(&self, key: usize) -> &[u32] {
-        &self.entries[key * (self.width + 1)..][..self.width + 1]
+    /// Where key `key`'s stamp and scores lie in `entries`.
+    fn entry(&self, key: usize) -> std::ops::Range<usize> {
+        key * (self.width + 1)..(key + 1) * (self.width + 1)
     }
 
     fn get(&self, key: usize) -> Option<&[f32]> {
-        let entry = self.entry(key);
+        let entry = &self.entries[self.entry(key)];
         (entry[0] == self.stamp).then(|| bytemuck::cast_slice(&entry[1..]))
     }
 
     fn set(&mut self, key: usize) -> &mut [f32] {
-        let width = self.width;
-        let entry = &mut self.entries[key * (width + 1)..][..width + 1];
-        entry[0] = self.stamp;
+        let (range, stamp) = (self.entry(key), self.stamp);
+        let entry = &mut self.entries[range];
+        entry[0] = stamp;
         bytemuck::cast_slice_mut(&mut entry[1..])
     }
 }

@@ -272,7 +272,6 @@ impl LatencyProfile {
     }
 }
 
-/// `$SIFT_CACHE_DIR`, else `$XDG_CACHE_HOME/sift`, else `~/.cache/sift`.
 /// FNV-1a over the dense and the sparse attention kernel's source and header
 /// on `path` at `head_dim`: stable across builds and toolchains, changed by
 /// any edit of the shaders they are made of.
@@ -284,6 +283,7 @@ fn kernels_digest(path: KernelPath, head_dim: u32) -> u64 {
         .fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// `$SIFT_CACHE_DIR`, else `$XDG_CACHE_HOME/sift`, else `~/.cache/sift`.
 pub fn cache_dir() -> PathBuf {
     std::env::var_os("SIFT_CACHE_DIR")
         .map(PathBuf::from)
