@@ -23,6 +23,12 @@
 //   that the invocations add to row by row.
 // diagonals: an invocation per diagonal offset o = t − j adds up the (at most
 //   three) key blocks' sums for o: vertical-slash's diagonal score.
+// column_mass: once the columns are ranked (on the CPU, from the column
+//   scores), a workgroup of 64 per (64 ranked columns, KV head), an invocation
+//   per column, scores it against every probe row (pairs staged as in
+//   recent_lines) and writes each row's probability of it: the exact mass of
+//   any prefix of the ranking at every probe row, where the column scores
+//   resolve it only at the recent rows.
 // Scores are in f32 from f16 operands; probabilities of masked keys (j > t)
 // are 0.
 
@@ -328,4 +334,47 @@ fn diagonals(@builtin(global_invocation_id) id: vec3<u32>) {
         sum += parts_in[(kv_head * key_blocks() + kb) * 2u * BLOCK + top - kb * BLOCK];
     }
     diagonal_out[kv_head * kv_len() + o] = sum;
+}
+
+// ---- column_mass
+
+// Ranked columns per KV head (the CPU's `COLUMNS` mirrors it); entries past a
+// head's ranking are u32::MAX, which no row sees.
+const COLUMNS: u32 = 1000u;
+
+// [kv_head][rank]: key positions, best first.
+@group(0) @binding(5) var<storage, read> ranked_columns: array<u32>;
+// [kv_head][row][rank]: p(t, column), averaged over the KV head's query heads.
+@group(0) @binding(6) var<storage, read_write> column_mass_out: array<f32>;
+
+@compute @workgroup_size(64)
+fn column_mass(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let c = group.x * BLOCK + lid;
+    let kv_head = group.y;
+    let heads = group_heads();
+    let pairs = params.rows * heads;
+    var j = 0xffffffffu;
+    if c < COLUMNS {
+        j = ranked_columns[kv_head * COLUMNS + c];
+    }
+    // A pass holds PAIRS / heads whole rows (heads divides PAIRS).
+    for (var first = 0u; first < pairs; first += PAIRS) {
+        _ = stage(kv_head, first, pairs, lid);
+        let s = scores(kv_head, j);
+        for (var row = 0u; row < PAIRS / heads; row++) {
+            let r = first / heads + row;
+            var prob = 0.0;
+            for (var g = 0u; g < heads; g++) {
+                let p = row * heads + g;
+                if first + p < pairs && s[p] > NEG_BIG {
+                    let st = recent_stats[r * params.n_head + kv_head * heads + g];
+                    prob += exp(s[p] - st.x) / (st.y * f32(heads));
+                }
+            }
+            if r < params.rows && c < COLUMNS {
+                column_mass_out[(kv_head * params.rows + r) * COLUMNS + c] = prob;
+            }
+        }
+        workgroupBarrier();
+    }
 }

@@ -16,8 +16,9 @@ use sift::gpu::attention::{Attention, AttentionShape, KvHeads};
 use sift::gpu::prefill::GpuPrefill;
 use sift::gpu::report::PrefillReport;
 use sift::gpu::route::calibration::CalibrationFile;
+use sift::gpu::route::candidates::HeadLines;
 use sift::gpu::route::index::{BlockSparse, VerticalSlash};
-use sift::gpu::route::probe::{ProbeKernels, ProbeRows, NO_BLOCK, TOP_BLOCKS};
+use sift::gpu::route::probe::{ProbeKernels, ProbeRows, COLUMNS, NO_BLOCK, TOP_BLOCKS};
 use sift::gpu::route::profile::{Entry, LatencyProfile, ProbeEntry};
 use sift::gpu::route::{Candidate, Mask, RouteSettings, SparseIndex};
 use sift::gpu::{GpuContext, KernelPath};
@@ -230,17 +231,28 @@ fn the_probe_equals_f64_softmax_over_its_rows() {
         let rows = ProbeRows::new(c.pos0, c.n, 8, 4);
         let kernels = ProbeKernels::new(ctx, c.d).unwrap();
         let (qb, kb) = (ctx.upload("q", &q).unwrap(), ctx.upload("k", &k).unwrap());
-        let probe = kernels.run(ctx, &shape, &rows, &qb, &kb).unwrap();
+        let mut probe = kernels.run(ctx, &shape, &rows, &qb, &kb).unwrap();
+        let lines: Vec<HeadLines> = (0..hk).map(|h| HeadLines::new(&probe, h)).collect();
+        let ranked: Vec<&[u32]> = lines.iter().map(|l| &l.columns[..]).collect();
+        kernels.column_masses(ctx, &shape, &rows, &qb, &kb, &mut probe, &ranked).unwrap();
         let p = probe_reference(&q, &k, c, &rows, scale as f64);
         let what = format!("n={} pos0={} heads {hq}/{hk} d={d}", c.n, c.pos0);
-        let mut worst = [0.0f64; 3];
+        let mut worst = [0.0f64; 4];
         for (h, head) in p.iter().enumerate() {
             for (r, row) in head.iter().enumerate() {
                 for (b, &got) in probe.mass(h, r).iter().enumerate() {
                     let want: f64 = row.iter().skip(b * 64).take(64).sum();
                     worst[0] = worst[0].max((got as f64 - want).abs());
                 }
+                // Every probe row's probability of each ranked column (0 past the
+                // ranking, and for columns after the row).
+                for (rank, &got) in probe.column_mass(h, r).iter().enumerate() {
+                    let j = lines[h].columns.get(rank).map(|&j| j as usize);
+                    let want = j.and_then(|j| row.get(j).copied()).unwrap_or(0.0);
+                    worst[3] = worst[3].max((got as f64 - want).abs());
+                }
             }
+            assert_eq!(lines[h].columns.len(), COLUMNS.min(kv_len), "{what}");
             for j in 0..kv_len {
                 let recent = || head.iter().zip(&rows.positions).take(rows.recent);
                 let column: f64 = recent().map(|(row, _)| row.get(j).copied().unwrap_or(0.0)).sum();
@@ -251,8 +263,8 @@ fn the_probe_equals_f64_softmax_over_its_rows() {
             }
         }
         eprintln!(
-            "{what}: block mass, column and diagonal scores within {:.2e}, {:.2e}, {:.2e} of f64",
-            worst[0], worst[1], worst[2]
+            "{what}: block mass, column and diagonal scores, column masses within {:.2e}, {:.2e}, {:.2e}, {:.2e} of f64",
+            worst[0], worst[1], worst[2], worst[3]
         );
         assert!(worst.iter().all(|&w| w < 1e-4), "{what}: {worst:?}");
         // Each query block's best key blocks, best first, against f64 pooled scores.

@@ -9,13 +9,17 @@
 //! in [`HeadLines`]; the top pooled blocks per query block, ranked on the GPU),
 //! as a prefix of those rankings, so making it costs little; its mass estimate m̂ is the
 //! probe's: for each probe row, the block masses of the blocks the mask lists
-//! for the row's query block, plus the mass of its single columns, which the
-//! probe resolves only on its recent rows (their column scores stand in for
-//! every row). m̂ is the mean of the three probe subsets' means, and the
-//! disagreement u their spread (largest minus smallest), so R = 1 − m̂ + α·u.
+//! for the row's query block, plus the row's own probabilities of the mask's
+//! single columns (measured at every probe row for the ranked columns). m̂
+//! estimates the mean over the chunk's rows, which is what the certificate
+//! bounds and calibration compares it with: the recent rows are all of the
+//! chunk's last ones and count at their share of the chunk, the uniform and
+//! boundary subsets (the mean of their means) stand for the rest. The
+//! disagreement u is the spread of the three subsets' means (largest minus
+//! smallest), so R = 1 − m̂ + α·u.
 
 use super::index::{BlockSparse, Mask, VerticalSlash};
-use super::probe::{Probe, ProbeRows, Subset, TOP_BLOCKS};
+use super::probe::{Probe, ProbeRows, Subset, COLUMNS, TOP_BLOCKS};
 use crate::gpu::attention::BLOCK;
 
 /// A pattern of the library.
@@ -161,7 +165,8 @@ fn ranked(scores: &[f32], k: usize) -> Vec<u32> {
 /// What the probe says of one candidate for one KV head.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Estimate {
-    /// m̂: the mean of the subsets' mean covered masses.
+    /// m̂: the covered mass over the chunk's rows, the recent rows at their
+    /// share of the chunk and the other subsets' mean for the rest.
     pub mass: f64,
     /// u: the largest minus the smallest subset mean.
     pub disagreement: f64,
@@ -177,25 +182,37 @@ impl Estimate {
     }
 }
 
-/// The probe's estimate of the mass `mask` keeps for KV head `h`.
-pub fn estimate(mask: &Mask, probe: &Probe, rows: &ProbeRows, h: usize) -> Estimate {
+/// The probe's estimate of the mass `mask` keeps for KV head `h`, whose
+/// ranked lines are `lines` (a vertical-slash mask's columns are a prefix of
+/// them, as [`Candidate::mask`] makes it).
+pub fn estimate(mask: &Mask, probe: &Probe, rows: &ProbeRows, h: usize, lines: &HeadLines) -> Estimate {
     if *mask == Mask::Dense {
         return Estimate { mass: 1.0, disagreement: 0.0, worst_recent: 1.0 };
     }
-    let columns = probe.columns(h);
-    let (mut blocks, mut single) = (Vec::new(), Vec::new());
+    let mut blocks = Vec::new();
     let mut sums = [(0.0f64, 0usize); 3];
     let mut last_block = u32::MAX;
     let mut worst_recent = 1.0f64;
     for (r, (&t, &subset)) in rows.positions.iter().zip(&rows.subsets).enumerate() {
         if t / BLOCK != last_block {
             last_block = t / BLOCK;
-            mask.keys(last_block, &mut blocks, &mut single);
+            mask.blocks(last_block, &mut blocks);
         }
         let mass = probe.mass(h, r);
         let in_blocks: f64 = blocks.iter().map(|&kb| mass[kb as usize] as f64).sum();
-        let in_columns: f64 = single.iter().filter(|&&j| j <= t).map(|&j| columns[j as usize] as f64).sum::<f64>()
-            / rows.recent.max(1) as f64;
+        // The single columns: those the row sees outside its listed blocks.
+        let in_columns: f64 = match mask {
+            Mask::VerticalSlash(v) => {
+                debug_assert!(v.columns.len() <= COLUMNS.min(lines.columns.len()));
+                lines.columns[..v.columns.len()]
+                    .iter()
+                    .zip(probe.column_mass(h, r))
+                    .filter(|&(&j, _)| j <= t && !v.covers(t / BLOCK, j / BLOCK))
+                    .map(|(_, &p)| p as f64)
+                    .sum()
+            }
+            _ => 0.0,
+        };
         let at = match subset {
             Subset::Recent => 0,
             Subset::Uniform => 1,
@@ -208,11 +225,19 @@ pub fn estimate(mask: &Mask, probe: &Probe, rows: &ProbeRows, h: usize) -> Estim
         sums[at].0 += covered;
         sums[at].1 += 1;
     }
-    let means: Vec<f64> = sums.iter().filter(|(_, n)| *n > 0).map(|(s, n)| s / *n as f64).collect();
-    let mass = means.iter().sum::<f64>() / means.len().max(1) as f64;
+    let means: Vec<Option<f64>> = sums.iter().map(|&(s, n)| (n > 0).then(|| s / n as f64)).collect();
+    let rest: Vec<f64> = means[1..].iter().flatten().copied().collect();
+    let rest = (!rest.is_empty()).then(|| rest.iter().sum::<f64>() / rest.len() as f64);
+    let share = rows.recent as f64 / rows.chunk.max(1) as f64;
+    let mass = match (means[0], rest) {
+        (Some(recent), Some(rest)) => share * recent + (1.0 - share) * rest,
+        (Some(m), None) | (None, Some(m)) => m,
+        (None, None) => 0.0,
+    };
+    let present = means.iter().flatten();
     let spread =
-        means.iter().cloned().fold(f64::NEG_INFINITY, f64::max) - means.iter().cloned().fold(f64::INFINITY, f64::min);
-    Estimate { mass, disagreement: if means.is_empty() { 0.0 } else { spread }, worst_recent }
+        present.clone().fold(f64::NEG_INFINITY, |a, &b| a.max(b)) - present.fold(f64::INFINITY, |a, &b| a.min(b));
+    Estimate { mass, disagreement: if spread.is_finite() { spread } else { 0.0 }, worst_recent }
 }
 
 #[cfg(test)]
@@ -234,6 +259,16 @@ mod tests {
         assert_eq!(most, Some(TOP_BLOCKS));
     }
 
+    #[test]
+    fn the_probe_measures_as_many_columns_as_the_largest_budget_takes() {
+        let most = Pattern::VerticalSlash.budgets().iter().map(|b| b[0] as usize).max();
+        assert_eq!(most, Some(COLUMNS));
+    }
+
+    fn no_lines() -> HeadLines {
+        HeadLines { columns: Vec::new(), diagonals: Vec::new() }
+    }
+
     /// A probe of one KV head with two rows over 3 key blocks (192 keys), each row's
     /// block masses given; no column or diagonal scores.
     fn two_rows_over_three_blocks(block_mass: Vec<f32>) -> Probe {
@@ -253,12 +288,18 @@ mod tests {
         // One KV head, 3 key blocks; two probe rows in query block 2, one
         // recent and one uniform.
         let probe = two_rows_over_three_blocks(vec![0.5, 0.1, 0.4, 0.2, 0.2, 0.6]);
-        let rows = ProbeRows { positions: vec![191, 150], subsets: vec![Subset::Recent, Subset::Uniform], recent: 1 };
+        // A chunk of 4 rows: the recent one stands for a quarter of them.
+        let rows = ProbeRows {
+            positions: vec![191, 150],
+            subsets: vec![Subset::Recent, Subset::Uniform],
+            recent: 1,
+            chunk: 4,
+        };
         let mask = Mask::AShape { sink_blocks: 1, local_blocks: 1 };
-        let e = estimate(&mask, &probe, &rows, 0);
-        assert!((e.mass - 0.85).abs() < 1e-6, "{e:?}");
+        let e = estimate(&mask, &probe, &rows, 0, &no_lines());
+        assert!((e.mass - (0.25 * 0.9 + 0.75 * 0.8)).abs() < 1e-6, "{e:?}");
         assert!((e.disagreement - 0.1).abs() < 1e-6, "{e:?}");
-        assert!((e.risk(0.5) - 0.2).abs() < 1e-6);
+        assert!((e.risk(0.5) - (1.0 - e.mass + 0.05)).abs() < 1e-6);
         assert!((e.worst_recent - 0.9).abs() < 1e-6, "only recent rows count: {e:?}");
     }
 
@@ -267,9 +308,42 @@ mod tests {
         // Two recent rows in query block 2; the second puts 0.7 of its mass
         // on key block 1 (a needle), which A-shape [1, 1] drops.
         let probe = two_rows_over_three_blocks(vec![0.5, 0.1, 0.4, 0.1, 0.7, 0.2]);
-        let rows = ProbeRows { positions: vec![191, 190], subsets: vec![Subset::Recent; 2], recent: 2 };
-        let e = estimate(&Mask::AShape { sink_blocks: 1, local_blocks: 1 }, &probe, &rows, 0);
+        let rows = ProbeRows { positions: vec![191, 190], subsets: vec![Subset::Recent; 2], recent: 2, chunk: 2 };
+        let e = estimate(&Mask::AShape { sink_blocks: 1, local_blocks: 1 }, &probe, &rows, 0, &no_lines());
         assert!((e.mass - 0.6).abs() < 1e-6, "{e:?}");
         assert!((e.worst_recent - 0.3).abs() < 1e-6, "{e:?}");
+    }
+
+    #[test]
+    fn vertical_slash_counts_each_rows_own_column_mass_outside_its_blocks() {
+        // Two rows in query block 2 (recent at 191, uniform at 140) over 3 key
+        // blocks; ranked columns 100, 70, 150, 10 (key blocks 1, 1, 2, 0).
+        let mut probe = two_rows_over_three_blocks(vec![0.3, 0.2, 0.5, 0.1, 0.6, 0.3]);
+        probe.column_mass = vec![0.0; 2 * COLUMNS];
+        probe.column_mass[..4].copy_from_slice(&[0.05, 0.04, 0.3, 0.2]);
+        probe.column_mass[COLUMNS..COLUMNS + 4].copy_from_slice(&[0.25, 0.01, 0.0, 0.1]);
+        let lines = HeadLines { columns: vec![100, 70, 150, 10], diagonals: vec![] };
+        let rows = ProbeRows {
+            positions: vec![191, 140],
+            subsets: vec![Subset::Recent, Subset::Uniform],
+            recent: 1,
+            chunk: 2,
+        };
+        // The first three columns and no diagonal: blocks 0 and 2 listed, so
+        // columns 100 and 70 are single, 150 is inside block 2.
+        let mask = Candidate { pattern: Pattern::VerticalSlash, budget: [3, 0] }.mask(&probe, &lines, 0);
+        let e = estimate(&mask, &probe, &rows, 0, &lines);
+        // Recent row: 0.3 + 0.5 + 0.05 + 0.04; uniform row: 0.1 + 0.3 + 0.25 + 0.01.
+        assert!((e.worst_recent - 0.89).abs() < 1e-6, "{e:?}");
+        assert!((e.mass - (0.89 + 0.66) / 2.0).abs() < 1e-6, "{e:?}");
+        // A diagonal at offset 64 covers block 1 (and so columns 100 and 70) too.
+        let mask = Candidate { pattern: Pattern::VerticalSlash, budget: [3, 1] }.mask(
+            &probe,
+            &HeadLines { diagonals: vec![64], ..lines.clone() },
+            0,
+        );
+        let e = estimate(&mask, &probe, &rows, 0, &lines);
+        assert!((e.worst_recent - 1.0).abs() < 1e-6, "{e:?}");
+        assert!((e.mass - 1.0).abs() < 1e-6, "{e:?}");
     }
 }

@@ -22,6 +22,7 @@
 use std::sync::Arc;
 
 use half::f16;
+use rayon::prelude::*;
 
 use super::probe::NO_BLOCK;
 use crate::gpu::attention::{IndexBuffers, KvHeads, BLOCK};
@@ -56,6 +57,8 @@ pub struct VerticalSlash {
     /// The distinct distances, in key blocks behind the query block, that
     /// the diagonals cover; ascending.
     distances: Vec<u32>,
+    /// The same distances as a bit set.
+    reach: Vec<u64>,
 }
 
 impl VerticalSlash {
@@ -67,7 +70,18 @@ impl VerticalSlash {
         let mut distances: Vec<u32> = diagonals.iter().flat_map(|&o| [o / BLOCK, o.div_ceil(BLOCK)]).collect();
         distances.sort_unstable();
         distances.dedup();
-        Self { columns, diagonals, distances }
+        let mut reach = vec![0u64; distances.last().map_or(0, |&d| d as usize / 64 + 1)];
+        for &d in &distances {
+            reach[d as usize / 64] |= 1 << (d % 64);
+        }
+        Self { columns, diagonals, distances, reach }
+    }
+
+    /// Whether query block `b` lists key block `kb` (at most `b`) whole: the
+    /// sink block, the diagonal block, or one a diagonal covers.
+    pub fn covers(&self, b: u32, kb: u32) -> bool {
+        let d = (b - kb) as usize;
+        kb == 0 || d == 0 || self.reach.get(d / 64).is_some_and(|w| w >> (d % 64) & 1 == 1)
     }
 }
 
@@ -116,8 +130,17 @@ impl Mask {
     /// The key blocks and single positions of query block `b` (both ascending,
     /// no position in both), into `blocks` and `columns` (cleared first).
     pub fn keys(&self, b: u32, blocks: &mut Vec<u32>, columns: &mut Vec<u32>) {
-        blocks.clear();
+        self.blocks(b, blocks);
         columns.clear();
+        if let Mask::VerticalSlash(v) = self {
+            let last = (b + 1) * BLOCK;
+            columns.extend(v.columns.iter().copied().take_while(|&j| j < last).filter(|&j| !v.covers(b, j / BLOCK)));
+        }
+    }
+
+    /// The key blocks of query block `b`, ascending, into `blocks` (cleared first).
+    pub fn blocks(&self, b: u32, blocks: &mut Vec<u32>) {
+        blocks.clear();
         match self {
             Mask::Dense => blocks.extend(0..=b),
             Mask::AShape { sink_blocks, local_blocks } => {
@@ -140,16 +163,6 @@ impl Mask {
                 blocks.sort_unstable();
                 blocks.dedup();
             }
-        }
-        if let Mask::VerticalSlash(v) = self {
-            let last = (b + 1) * BLOCK;
-            columns.extend(
-                v.columns
-                    .iter()
-                    .copied()
-                    .take_while(|&j| j < last)
-                    .filter(|j| blocks.binary_search(&(j / BLOCK)).is_err()),
-            );
         }
     }
 
@@ -224,21 +237,30 @@ impl SparseIndex {
             column_offsets: vec![0],
             ..Self::default()
         };
-        let (mut blocks, mut columns) = (Vec::new(), Vec::new());
-        for mask in masks {
-            for b in 0..query_blocks {
-                match mask {
-                    Some(mask) => mask.keys(b, &mut blocks, &mut columns),
-                    None => {
-                        blocks.clear();
-                        columns.clear();
+        // Each head's lists with offsets from 0, made in parallel, then laid end to end.
+        let heads: Vec<[Vec<u32>; 4]> = masks
+            .par_iter()
+            .map(|mask| {
+                let (mut blocks, mut columns) = (Vec::new(), Vec::new());
+                let mut lists: [Vec<u32>; 4] = Default::default();
+                for b in 0..query_blocks {
+                    if let Some(mask) = mask {
+                        mask.keys(b, &mut blocks, &mut columns);
+                        lists[0].extend_from_slice(&blocks);
+                        lists[2].extend_from_slice(&columns);
                     }
+                    lists[1].push(lists[0].len() as u32);
+                    lists[3].push(lists[2].len() as u32);
                 }
-                index.blocks.extend_from_slice(&blocks);
-                index.columns.extend_from_slice(&columns);
-                index.block_offsets.push(index.blocks.len() as u32);
-                index.column_offsets.push(index.columns.len() as u32);
-            }
+                lists
+            })
+            .collect();
+        for [blocks, block_ends, columns, column_ends] in heads {
+            let (b0, c0) = (index.blocks.len() as u32, index.columns.len() as u32);
+            index.block_offsets.extend(block_ends.iter().map(|e| b0 + e));
+            index.column_offsets.extend(column_ends.iter().map(|e| c0 + e));
+            index.blocks.extend_from_slice(&blocks);
+            index.columns.extend_from_slice(&columns);
         }
         index
     }

@@ -17,6 +17,10 @@
 //! scores the pooled blocks and selects each query block's best key blocks
 //! on the GPU, so what comes back is small: the block masses of the probe
 //! rows, the line scores, and [`TOP_BLOCKS`] key blocks per query block.
+//! Once the columns are ranked, [`ProbeKernels::column_masses`] scores the
+//! best [`COLUMNS`] of each KV head against every probe row, so that a
+//! vertical-slash mask's single columns count at each row's own
+//! probabilities, not at the recent rows' (which chose them).
 //! Probabilities are averaged over the query heads of a KV head, which share
 //! one mask. Both shader files begin with `shaders/route_params.wgsl`, whose
 //! `Params` is [`Params`] here.
@@ -45,9 +49,16 @@ const BLOCKS: Shader = Shader {
     ),
 };
 
+/// The probe's WGSL, whose time the latency profile keeps.
+pub(crate) const SOURCES: [&str; 3] = [PROBE.source, BLOCKS.source, ROW_STATS];
+
 /// Key blocks `route_blocks.wgsl` selects per query block (its `TOP`): the
 /// largest block-sparse budget.
 pub const TOP_BLOCKS: usize = 100;
+
+/// Ranked columns per KV head whose mass `column_mass` measures at every
+/// probe row (its `COLUMNS`): the largest vertical-slash budget.
+pub const COLUMNS: usize = 1000;
 
 /// The end of a query block's list of selected key blocks shorter than [`TOP_BLOCKS`].
 pub const NO_BLOCK: u32 = u32::MAX;
@@ -70,6 +81,9 @@ pub struct ProbeRows {
     pub subsets: Vec<Subset>,
     /// The first `recent` rows are the chunk's last queries.
     pub recent: usize,
+    /// Queries in the chunk: the recent rows are all of its last ones, the
+    /// others stand for the rest.
+    pub chunk: u32,
 }
 
 impl ProbeRows {
@@ -79,7 +93,8 @@ impl ProbeRows {
     pub fn new(pos0: u32, n: u32, uniform: u32, boundary: u32) -> Self {
         let end = pos0 + n;
         let recent: Vec<u32> = (end.saturating_sub(BLOCK).max(pos0)..end).rev().collect();
-        let mut rows = Self { recent: recent.len(), subsets: vec![Subset::Recent; recent.len()], positions: recent };
+        let mut rows =
+            Self { recent: recent.len(), subsets: vec![Subset::Recent; recent.len()], positions: recent, chunk: n };
         let mut add = |t: u32, subset| {
             if t >= pos0 && t < end && !rows.positions.contains(&t) {
                 rows.positions.push(t);
@@ -120,6 +135,12 @@ pub struct Probe {
     pub column_scores: Vec<f32>,
     /// `[kv_head][offset]`: Σ over the recent rows of p(t, t − offset).
     pub diagonal_scores: Vec<f32>,
+    /// `[row][query head]`: the row's softmax statistics (m, l) over every key it sees.
+    pub row_stats: Vec<[f32; 2]>,
+    /// `[kv_head][row][rank]`: p(t, j) of the head's ranked columns j
+    /// ([`HeadLines`](super::candidates::HeadLines)), averaged over its query
+    /// heads; empty until [`ProbeKernels::column_masses`] runs.
+    pub column_mass: Vec<f32>,
     /// `[kv_head][query block of the chunk][TOP_BLOCKS]`: the key blocks
     /// between the sink block and the diagonal with the best pooled scores,
     /// best first, [`NO_BLOCK`] past the end of a shorter list.
@@ -137,6 +158,11 @@ pub struct Probe {
 impl Probe {
     pub fn mass(&self, h: usize, row: usize) -> &[f32] {
         &self.block_mass[(h * self.rows + row) * self.key_blocks..][..self.key_blocks]
+    }
+
+    /// Row `row`'s probabilities of KV head `h`'s ranked columns, best first.
+    pub fn column_mass(&self, h: usize, row: usize) -> &[f32] {
+        &self.column_mass[(h * self.rows + row) * COLUMNS..][..COLUMNS]
     }
 
     pub fn columns(&self, h: usize) -> &[f32] {
@@ -162,6 +188,7 @@ pub struct ProbeKernels {
     pool_keys: Kernel,
     block_scores: Kernel,
     top_blocks: Kernel,
+    column_mass: Kernel,
     head_dim: u32,
 }
 
@@ -219,6 +246,7 @@ impl ProbeKernels {
             pool_keys: ctx.kernel(&BLOCKS, "pool_keys", &[])?,
             block_scores: ctx.kernel(&BLOCKS, "block_scores", &[])?,
             top_blocks: ctx.kernel(&BLOCKS, "top_blocks", &[])?,
+            column_mass: ctx.kernel(&PROBE, "column_mass", &[])?,
             head_dim,
         })
     }
@@ -262,6 +290,19 @@ impl ProbeKernels {
         Ok(())
     }
 
+    fn params(&self, shape: &AttentionShape, rows: &ProbeRows) -> Params {
+        Params {
+            n: shape.n,
+            pos0: shape.pos0,
+            n_head: shape.n_head,
+            n_kv_head: shape.n_kv_head,
+            d: self.head_dim,
+            scale: shape.scale,
+            rows: rows.len() as u32,
+            recent: rows.recent as u32,
+        }
+    }
+
     /// Runs the probe for the chunk of `shape` (its f16 queries in `q16`, the
     /// resident keys in `keys`) and reads back what the router needs.
     pub fn run(
@@ -296,16 +337,7 @@ impl ProbeKernels {
         let pooled_k = ctx.storage::<[f32; 4]>("pooled keys", key_blocks * hk * quads)?;
         let scores = ctx.storage::<f32>("block scores", hk * query_blocks * key_blocks)?;
         let top = ctx.storage::<u32>("top blocks", hk * query_blocks * TOP_BLOCKS)?;
-        let params = Params {
-            n: shape.n,
-            pos0: shape.pos0,
-            n_head: shape.n_head,
-            n_kv_head: shape.n_kv_head,
-            d: self.head_dim,
-            scale: shape.scale,
-            rows: r as u32,
-            recent: rows.recent as u32,
-        };
+        let params = self.params(shape, rows);
         fn all(b: &Buffer) -> wgpu::BindingResource<'_> {
             b.as_entire_binding()
         }
@@ -342,6 +374,8 @@ impl ProbeKernels {
             block_mass: ctx.read(&mass, 0, hk * r * key_blocks)?,
             column_scores: ctx.read(&columns, 0, hk * kv_len)?,
             diagonal_scores: ctx.read(&diagonals, 0, hk * kv_len)?,
+            row_stats: ctx.read(&row_stats, 0, r * hq)?,
+            column_mass: Vec::new(),
             top_blocks: ctx.read::<u32>(&top, 0, hk * query_blocks * TOP_BLOCKS)?.into(),
             query_blocks,
             first_query_block,
@@ -354,6 +388,50 @@ impl ProbeKernels {
             ctx.recycle(b);
         }
         Ok(probe)
+    }
+
+    /// Fills `probe.column_mass` with every probe row's probability of each
+    /// KV head's ranked columns `columns[h]` (at most [`COLUMNS`], best
+    /// first), from the probe's row statistics; its GPU time joins the index
+    /// builders'.
+    #[allow(clippy::too_many_arguments)]
+    pub fn column_masses(
+        &self,
+        ctx: &GpuContext,
+        shape: &AttentionShape,
+        rows: &ProbeRows,
+        q16: &Buffer,
+        keys: &Buffer,
+        probe: &mut Probe,
+        columns: &[&[u32]],
+    ) -> Result<(), GpuError> {
+        let (hk, r) = (shape.n_kv_head as usize, rows.len());
+        let mut ranked = vec![u32::MAX; hk * COLUMNS];
+        for (h, list) in columns.iter().enumerate() {
+            ranked[h * COLUMNS..][..list.len().min(COLUMNS)].copy_from_slice(&list[..list.len().min(COLUMNS)]);
+        }
+        let rows_buffer = ctx.upload("probe rows", &rows.positions)?;
+        let stats = ctx.upload("probe row stats", &probe.row_stats)?;
+        let ranked_buffer = ctx.upload("ranked columns", &ranked)?;
+        let mass = ctx.storage::<f32>("column mass", hk * r * COLUMNS)?;
+        let buffers = [&rows_buffer, q16, keys, &stats, &ranked_buffer, &mass].map(|b| b.as_entire_binding());
+        let mut batch = ctx.batch();
+        batch.mark();
+        batch.dispatch(
+            &self.column_mass,
+            &self.params(shape, rows),
+            &buffers,
+            [COLUMNS.div_ceil(64) as u32, hk as u32, 1],
+        );
+        batch.mark();
+        let ms = batch.submit_timed()?.and_then(|t| t.first().copied()).unwrap_or_default();
+        probe.column_mass = ctx.read(&mass, 0, hk * r * COLUMNS)?;
+        probe.kernels.push(("column_mass", ms));
+        probe.index_ms += ms;
+        for b in [rows_buffer, stats, ranked_buffer, mass] {
+            ctx.recycle(b);
+        }
+        Ok(())
     }
 }
 

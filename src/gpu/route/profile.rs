@@ -4,7 +4,7 @@
 //!
 //! `sift gpu-profile` measures it and writes it to a file named after the
 //! adapter, the driver, the kernel path, the head shape and a digest of the
-//! attention kernels' source (under
+//! attention kernels' and the probe's source (under
 //! `$SIFT_CACHE_DIR`, else `$XDG_CACHE_HOME/sift`, else `~/.cache/sift`);
 //! a routed prefill reads it, and refuses to route without one. Each entry is
 //! the median GPU time of one dispatch over every KV head of the shape,
@@ -26,7 +26,7 @@ use std::path::{Path, PathBuf};
 use half::f16;
 use serde::{Deserialize, Serialize};
 
-use super::candidates::{Candidate, Pattern};
+use super::candidates::{Candidate, HeadLines, Pattern};
 use super::index::{BlockSparse, Mask, SparseIndex, VerticalSlash};
 use super::probe::{ProbeKernels, ProbeRows};
 use crate::gpu::attention::{Attention, AttentionShape, BLOCK};
@@ -77,10 +77,10 @@ pub struct ProbeEntry {
 
 impl LatencyProfile {
     /// Where the profile of this adapter and head shape lives. The name holds
-    /// a digest of the attention kernels' WGSL as this build compiles them, so
-    /// a build whose kernels changed (and with them the time per key the
-    /// router prices each pattern at) measures its own profile instead of
-    /// reading an older build's.
+    /// a digest of the attention kernels' and the probe's WGSL as this build
+    /// compiles them, so a build whose kernels changed (and with them the time
+    /// per key the router prices each pattern at, or the probe's) measures its
+    /// own profile instead of reading an older build's.
     pub fn file(ctx: &GpuContext, path: KernelPath, head_dim: u32, n_head: u32, n_kv_head: u32) -> PathBuf {
         let name = format!(
             "gpu-profile-{}-{}-{}-{}-d{head_dim}-h{n_head}x{n_kv_head}-k{:016x}.json",
@@ -258,7 +258,10 @@ impl LatencyProfile {
             let probe_rows = ProbeRows::new(0, shape.n, 32, 16);
             let mut samples = Vec::new();
             for run in 0..=runs {
-                let p = probe.run(ctx, &shape, &probe_rows, &q, &k)?;
+                let mut p = probe.run(ctx, &shape, &probe_rows, &q, &k)?;
+                let lines: Vec<HeadLines> = (0..n_kv_head as usize).map(|h| HeadLines::new(&p, h)).collect();
+                let ranked: Vec<&[u32]> = lines.iter().map(|l| &l.columns[..]).collect();
+                probe.column_masses(ctx, &shape, &probe_rows, &q, &k, &mut p, &ranked)?;
                 if run > 0 {
                     samples.push(p.probe_ms + p.index_ms);
                 }
@@ -273,13 +276,14 @@ impl LatencyProfile {
 }
 
 /// FNV-1a over the dense and the sparse attention kernel's source and header
-/// on `path` at `head_dim`: stable across builds and toolchains, changed by
-/// any edit of the shaders they are made of.
+/// on `path` at `head_dim`, and the probe's shaders: stable across builds and
+/// toolchains, changed by any edit of the shaders they are made of.
 fn kernels_digest(path: KernelPath, head_dim: u32) -> u64 {
     [false, true]
         .into_iter()
         .map(|sparse| crate::gpu::attention::shader(path, head_dim, 1, sparse))
         .flat_map(|(source, header)| header.into_bytes().into_iter().chain(source.bytes()))
+        .chain(super::probe::SOURCES.iter().flat_map(|s| s.bytes()))
         .fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3))
 }
 

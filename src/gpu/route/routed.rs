@@ -23,6 +23,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use half::f16;
+use rayon::prelude::*;
 use wgpu::Buffer;
 
 use super::calibration::Residual;
@@ -133,22 +134,28 @@ impl RoutedAttention {
         let kv_len = shape.kv_len();
         let query_blocks = shape.pos0 / BLOCK..kv_len.div_ceil(BLOCK);
         let rows = ProbeRows::new(shape.pos0, shape.n, 32, 16);
-        let probe = self.probe.run(ctx, shape, &rows, q16, keys)?;
+        let mut probe = self.probe.run(ctx, shape, &rows, q16, keys)?;
         let routing_started = Instant::now();
+        let lines: Vec<HeadLines> = (0..hk).into_par_iter().map(|h| HeadLines::new(&probe, h)).collect();
+        let measuring = Instant::now();
+        let ranked: Vec<&[u32]> = lines.iter().map(|l| &l.columns[..]).collect();
+        self.probe.column_masses(ctx, shape, &rows, q16, keys, &mut probe, &ranked)?;
+        let measuring_ms = measuring.elapsed().as_secs_f64() * 1e3;
         let library: Vec<Candidate> = match self.settings.pattern {
             Some(p) => vec![Candidate::DENSE, fixed_budget(p)],
             None => Candidate::library(),
         };
         // Per KV head, every candidate's mask (a description: nothing is
         // listed yet) and estimate.
-        let options: Vec<Vec<(Candidate, Mask, Estimate)>> = (0..hk)
-            .map(|h| {
-                let lines = HeadLines::new(&probe, h);
+        let options: Vec<Vec<(Candidate, Mask, Estimate)>> = lines
+            .par_iter()
+            .enumerate()
+            .map(|(h, lines)| {
                 library
                     .iter()
                     .map(|&c| {
-                        let mask = c.mask(&probe, &lines, h);
-                        let e = estimate(&mask, &probe, &rows, h);
+                        let mask = c.mask(&probe, lines, h);
+                        let e = estimate(&mask, &probe, &rows, h, lines);
                         (c, mask, e)
                     })
                     .collect()
@@ -209,7 +216,7 @@ impl RoutedAttention {
                 Chosen { candidate, lower: lower(candidate.pattern, &estimate), mask, estimate, fallback }
             })
             .collect();
-        let routing_ms = routing_started.elapsed().as_secs_f64() * 1e3;
+        let routing_ms = routing_started.elapsed().as_secs_f64() * 1e3 - measuring_ms;
 
         // The dense choices to the dense kernel, the others to the sparse one.
         let lists_started = Instant::now();
@@ -251,7 +258,7 @@ impl RoutedAttention {
         };
         let dense_ms = audit.as_ref().and_then(|a| a.dense_ms);
         if self.settings.calibrate {
-            self.calibrate(ctx, shape, [q16, keys], &probe, &rows)?;
+            self.calibrate(ctx, shape, [q16, keys], &probe, &rows, &lines)?;
         }
         if let Some(gpu_index) = gpu_index {
             gpu_index.recycle(ctx);
@@ -429,9 +436,9 @@ impl RoutedAttention {
         qk: [&Buffer; 2],
         probe: &super::probe::Probe,
         rows: &ProbeRows,
+        lines: &[HeadLines],
     ) -> Result<(), GpuError> {
         let hk = shape.n_kv_head as usize;
-        let lines: Vec<HeadLines> = (0..hk).map(|h| HeadLines::new(probe, h)).collect();
         let mut residuals = Vec::new();
         for c in Candidate::library().iter().filter(|c| c.pattern != Pattern::Dense) {
             let masks: Vec<Mask> = (0..hk).map(|h| c.mask(probe, &lines[h], h)).collect();
@@ -440,7 +447,7 @@ impl RoutedAttention {
             let truth = self.true_masses(ctx, shape, qk, Some(&index))?;
             index.recycle(ctx);
             for (h, mask) in masks.iter().enumerate() {
-                let e = estimate(mask, probe, rows, h);
+                let e = estimate(mask, probe, rows, h, &lines[h]);
                 let (mean, recent) = (e.mass - truth[h], e.mass.min(e.worst_recent) - truth[h]);
                 residuals.push(Residual { pattern: c.pattern, mean, recent });
             }
