@@ -84,8 +84,9 @@
 //!
 //! and `Y`, read off the sample, is a sum of independent non-negative terms
 //! `X_i·a_i`. For such sums the lower tail is sub-Gaussian with the sum of
-//! the terms' second moments (Maurer's inequality for non-negative
-//! summands): `P(Y ≤ m − t) ≤ exp(−t² / (2·Σ E[(X_i a_i)²]))`, and
+//! the terms' second moments (A. Maurer, 2003, "A bound on the deviation
+//! probability for sums of non-negative random variables"):
+//! `P(Y ≤ m − t) ≤ exp(−t² / (2·Σ E[(X_i a_i)²]))`, and
 //! `Σ E[(X_i a_i)²] = Σ_A p_i·a_i² ≤ R²·m`. So, except with probability
 //! `δ'` (with `L₁ = ln(1/δ')`), `m − R·sqrt(2mL₁) < Y`, a quadratic in
 //! `sqrt(m)`:
@@ -97,9 +98,10 @@
 //!
 //! `Y = Σ_{S∩A}‖v_i‖² − 2 c_v·Σ_{S∩A} v_i + k‖c_v‖²` from the running sums,
 //! raised by `10^−9` of its terms' size, far more than their f64
-//! rounding (about `n·2^−53` of it over `n` keys' sums). For `k` light keys at typical distance `ā` from the centre,
-//! `m_hi ≈ kā² + R·sqrt(2kā²L₁) + 2R²L₁` against `μ_hi·R² ≈ k·R²`: once
-//! `k` is a few times `L₁`, the sample's spread wins.
+//! rounding (about `n·2^−53` of it over `n` keys' sums). For `k` light
+//! keys at typical distance `ā` from the centre, `m_hi ≈ kā² +
+//! R·sqrt(2kā²L₁) + 2R²L₁` against `μ_hi·R² ≈ k·R²`: once `k` is a few
+//! times `L₁`, the sample's spread wins.
 //!
 //! # The measures
 //!
@@ -366,8 +368,8 @@ mod tests {
 
     /// The sample's spread about a centre, from the running sums, is the
     /// plain sum `Σ‖v_i − c‖²` raised by its margin (with no confidence
-    /// term); and `m_hi` covers
-    /// the true mean `m` but with probability at most `δ'`: over 20,000
+    /// term); and `m_hi` covers the true mean `m` but with probability at
+    /// most `δ'`: over 20,000
     /// samples at `δ' = 0.2` of a population where one far key, rarely
     /// sampled, holds most of `m`, the misses are compared with
     /// Binomial(20,000, 0.2), failing if their upper tail is below 10^−6.
