@@ -19,8 +19,9 @@
 //! the sample means against.
 //!
 //! [`LevelSums`] holds the exact part `X ∪ B` (`Σ w`, `Σ w·v`, `Σ w·‖v‖²`)
-//! and the light sample (`k`, `Σ v`) and is carried from level to level:
-//! a key that enters is added as heavy or light, and a sampled light key is
+//! and the light sample (`k`, `Σ v`, `Σ ‖v‖²`) and is carried from level
+//! to level: a key that enters is added as heavy or light, and a sampled
+//! light key is
 //! *promoted* to the exact part at the level where it becomes heavy, since
 //! `B_j` grows as `τ_j` falls. Everything is summed in f64, so the rounding
 //! (about `10^−16` relative, promotions' subtractions included) is far below
@@ -42,6 +43,8 @@ pub struct LevelSums {
     pub light_count: u64,
     /// `Σ_{S∩A} v_i`.
     pub light_values: Vec<f64>,
+    /// `Σ_{S∩A} ‖v_i‖²`, for the sample's spread about a centre.
+    pub light_square: f64,
 }
 
 impl LevelSums {
@@ -50,6 +53,7 @@ impl LevelSums {
         self.exact_weight = 0.0;
         self.exact_square = 0.0;
         self.light_count = 0;
+        self.light_square = 0.0;
         for sum in [&mut self.exact_numerator, &mut self.light_values] {
             sum.clear();
             sum.resize(dim, 0.0);
@@ -66,14 +70,18 @@ impl LevelSums {
 
     /// A sampled light key.
     pub fn add_light(&mut self, value: &[f32]) {
+        let kernels = simd::kernels();
         self.light_count += 1;
-        simd::kernels().add_scaled_f64(1.0, value, &mut self.light_values);
+        kernels.add_scaled_f64(1.0, value, &mut self.light_values);
+        self.light_square += kernels.squared_norm_f64(value);
     }
 
     /// A sampled light key of weight `w` that has become heavy.
     pub fn promote(&mut self, w: f64, value: &[f32]) {
+        let kernels = simd::kernels();
         self.light_count -= 1;
-        simd::kernels().add_scaled_f64(-1.0, value, &mut self.light_values);
+        kernels.add_scaled_f64(-1.0, value, &mut self.light_values);
+        self.light_square -= kernels.squared_norm_f64(value);
         self.add_exact(w, value);
     }
 

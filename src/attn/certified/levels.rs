@@ -24,12 +24,13 @@
 //! At each level the certificate rests on a few confidence statements, each
 //! false with probability at most `δ'`: the count of light keys is not
 //! implausibly low, nor implausibly high (Chernoff), and, for the measures
-//! on the output, the centred numerator is not implausibly long (Bernstein).
-//! With `e` such events per level, `δ' = δ / (e·(J + 1))` makes all of them
-//! hold at once except with probability `δ` (the union bound): then every
-//! level's claim is true, whichever level a data-dependent rule stops at.
-//! The denominator measure needs only the two Chernoff events (`e = 2`),
-//! the output measures all three (`e = 3`).
+//! on the output, the light keys' spread about the centre is not
+//! implausibly small (Maurer) and the centred numerator is not implausibly
+//! long (Bernstein). With `e` such events per level, `δ' = δ / (e·(J + 1))`
+//! makes all of them hold at once except with probability `δ` (the union
+//! bound): then every level's claim is true, whichever level a
+//! data-dependent rule stops at. The denominator measure needs only the
+//! two Chernoff events (`e = 2`), the output measures all four (`e = 4`).
 
 use crate::attn::Measure;
 
@@ -94,7 +95,7 @@ impl Grid {
 pub fn events_per_level(measure: Measure) -> usize {
     match measure {
         Measure::Denominator => 2,
-        Measure::Output | Measure::Value => 3,
+        Measure::Output | Measure::Value => 4,
     }
 }
 
