@@ -116,6 +116,25 @@ fn scores(kv_head: u32, j: u32) -> array<f32, PAIRS> {
     return s;
 }
 
+// The probability of the key whose scores are `key_scores` for row `row` of the
+// pass that starts at pair `first`, averaged over the group's `heads` query
+// heads (each divided by its row's sum, after its row's maximum): 0 from the
+// pairs past `pairs` and from those the key is masked for.
+fn row_probability(key_scores: array<f32, PAIRS>, kv_head: u32, first: u32, pairs: u32, row: u32, heads: u32) -> f32 {
+    // A local copy: naga indexes arrays dynamically only in memory.
+    var s = key_scores;
+    let r = first / heads + row;
+    var prob = 0.0;
+    for (var g = 0u; g < heads; g++) {
+        let p = row * heads + g;
+        if first + p < pairs && s[p] > NEG_BIG {
+            let st = recent_stats[r * params.n_head + kv_head * heads + g];
+            prob += exp(s[p] - st.x) / (st.y * f32(heads));
+        }
+    }
+    return prob;
+}
+
 // ---- tile_stats
 
 // [kv_head][row][query head of the group][key block]: (m, l) over the block.
@@ -284,14 +303,7 @@ fn recent_lines(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocati
             let s = scores(kv_head, j);
             for (var row = 0u; row < PAIRS / heads; row++) {
                 let r = first / heads + row;
-                var prob = 0.0;
-                for (var g = 0u; g < heads; g++) {
-                    let p = row * heads + g;
-                    if first + p < pairs && s[p] > NEG_BIG {
-                        let st = recent_stats[r * params.n_head + kv_head * heads + g];
-                        prob += exp(s[p] - st.x) / (st.y * f32(heads));
-                    }
-                }
+                let prob = row_probability(s, kv_head, first, pairs, row, heads);
                 column += prob;
                 // Lanes add to distinct slots; rows one after another.
                 if r < params.recent {
@@ -363,14 +375,7 @@ fn column_mass(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocatio
         let s = scores(kv_head, j);
         for (var row = 0u; row < PAIRS / heads; row++) {
             let r = first / heads + row;
-            var prob = 0.0;
-            for (var g = 0u; g < heads; g++) {
-                let p = row * heads + g;
-                if first + p < pairs && s[p] > NEG_BIG {
-                    let st = recent_stats[r * params.n_head + kv_head * heads + g];
-                    prob += exp(s[p] - st.x) / (st.y * f32(heads));
-                }
-            }
+            let prob = row_probability(s, kv_head, first, pairs, row, heads);
             if r < params.rows && c < COLUMNS {
                 column_mass_out[(kv_head * params.rows + r) * COLUMNS + c] = prob;
             }
