@@ -12,13 +12,14 @@
 // top_blocks: a workgroup per (query block, KV head) selects the TOP largest
 //   scores by a radix select on their order-preserving bit patterns (four
 //   passes of 8 bits), gathers them, and sorts them by a bitonic network
-//   (score descending, block ascending on ties), so that the first b entries
-//   are the top b for every budget b ≤ TOP. Lists shorter than TOP end in
-//   NO_BLOCK. If more than SORTED − TOP scores tie exactly at the threshold,
-//   which ones are kept among the tied is the order they arrive in.
+//   (score descending, block ascending on ties; each invocation takes
+//   SORTED / 128 of its compare-exchanges per step), so that the first b
+//   entries are the top b for every budget b ≤ TOP. Lists shorter than TOP
+//   end in NO_BLOCK. If more than SORTED − TOP scores tie exactly at the
+//   threshold, which ones are kept among the tied is the order they arrive in.
 
-const TOP: u32 = 100u;
-const SORTED: u32 = 128u;
+const TOP: u32 = 800u;
+const SORTED: u32 = 1024u;
 const QUERY_TILE: u32 = 8u;
 const NO_BLOCK: u32 = 0xffffffffu;
 
@@ -205,16 +206,18 @@ fn top_blocks(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation
     workgroupBarrier();
     for (var size = 2u; size <= SORTED; size *= 2u) {
         for (var stride = size / 2u; stride > 0u; stride /= 2u) {
-            let a = (lid / stride) * 2u * stride + lid % stride;
-            let b = a + stride;
-            let ahead = (a & size) == 0u;
-            if before(b, a) == ahead {
-                let key = sorted_key[a];
-                let block = sorted_block[a];
-                sorted_key[a] = sorted_key[b];
-                sorted_block[a] = sorted_block[b];
-                sorted_key[b] = key;
-                sorted_block[b] = block;
+            for (var pair = lid; pair < SORTED / 2u; pair += BLOCK) {
+                let a = (pair / stride) * 2u * stride + pair % stride;
+                let b = a + stride;
+                let ahead = (a & size) == 0u;
+                if before(b, a) == ahead {
+                    let key = sorted_key[a];
+                    let block = sorted_block[a];
+                    sorted_key[a] = sorted_key[b];
+                    sorted_block[a] = sorted_block[b];
+                    sorted_key[b] = key;
+                    sorted_block[b] = block;
+                }
             }
             workgroupBarrier();
         }

@@ -217,8 +217,9 @@ fn the_probe_equals_f64_softmax_over_its_rows() {
     let cases = [
         Case { n: 300, pos0: 0, n_head: 4, n_kv_head: 1, d: 256 },
         Case { n: 320, pos0: 128, n_head: 4, n_kv_head: 2, d: 64 },
-        // A long context: more than TOP_BLOCKS key blocks to choose from.
-        Case { n: 128, pos0: 6528, n_head: 2, n_kv_head: 2, d: 32 },
+        // A long context: more than TOP_BLOCKS key blocks to choose from
+        // (999 and 1,000 for TOP_BLOCKS = 800).
+        Case { n: 128, pos0: 64_000, n_head: 2, n_kv_head: 2, d: 32 },
     ];
     for c in &cases {
         let (hq, hk, d) = (c.n_head as usize, c.n_kv_head as usize, c.d as usize);

@@ -50,13 +50,16 @@ impl Pattern {
     /// The budget grid: A-shape (1 sink block, 4 to 64 local blocks: MInference's
     /// default is 128 + 3968 keys, 64 blocks), vertical-slash (columns,
     /// diagonals) up to MInference's most common (1000, 6096), block-sparse
-    /// 4 to 100 blocks (MInference: 100).
+    /// 4 to 800 blocks (MInference: 100; the wider ones for diffuse heads at
+    /// long lengths, 800 of 2,048 key blocks at 128K).
     pub fn budgets(self) -> &'static [[u32; 2]] {
         match self {
             Pattern::Dense => &[[0, 0]],
             Pattern::AShape => &[[1, 4], [1, 8], [1, 16], [1, 32], [1, 64]],
             Pattern::VerticalSlash => &[[16, 64], [64, 256], [256, 1024], [1000, 2048], [1000, 6096]],
-            Pattern::BlockSparse => &[[4, 0], [8, 0], [16, 0], [32, 0], [64, 0], [100, 0]],
+            Pattern::BlockSparse => {
+                &[[4, 0], [8, 0], [16, 0], [32, 0], [64, 0], [100, 0], [200, 0], [400, 0], [800, 0]]
+            }
         }
     }
 

@@ -54,7 +54,7 @@ pub(crate) const SOURCES: [&str; 3] = [PROBE.source, BLOCKS.source, ROW_STATS];
 
 /// Key blocks `route_blocks.wgsl` selects per query block (its `TOP`): the
 /// largest block-sparse budget.
-pub const TOP_BLOCKS: usize = 100;
+pub const TOP_BLOCKS: usize = 800;
 
 /// Ranked columns per KV head whose mass `column_mass` measures at every
 /// probe row (its `COLUMNS`): the largest vertical-slash budget.

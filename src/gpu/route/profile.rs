@@ -340,8 +340,22 @@ fn synthetic_mask(c: Candidate, n: u32) -> Mask {
             Mask::VerticalSlash(VerticalSlash::new(columns, diagonals))
         }
         Pattern::BlockSparse => {
-            let blocks: Vec<Vec<u32>> =
-                (0..n.div_ceil(BLOCK)).map(|b| (0..c.budget[0]).map(|_| next(b + 1)).collect()).collect();
+            // Distinct blocks between the sink block and the diagonal, as the
+            // GPU's selection lists them, so that the mask visits the keys it
+            // is counted for (drawn with repeats, a budget near the number
+            // of blocks would visit far fewer).
+            let blocks: Vec<Vec<u32>> = (0..n.div_ceil(BLOCK))
+                .map(|b| {
+                    let mut pool: Vec<u32> = (1..b).collect();
+                    let take = (c.budget[0] as usize).min(pool.len());
+                    for i in 0..take {
+                        let j = i + next((pool.len() - i) as u32) as usize;
+                        pool.swap(i, j);
+                    }
+                    pool.truncate(take);
+                    pool
+                })
+                .collect();
             Mask::BlockSparse(BlockSparse::new(&blocks))
         }
     }
@@ -370,12 +384,17 @@ mod tests {
 
     #[test]
     fn synthetic_masks_keep_their_budgets() {
-        let c = Candidate { pattern: Pattern::BlockSparse, budget: [4, 0] };
-        let mask = synthetic_mask(c, 1024);
         let (mut blocks, mut columns) = (Vec::new(), Vec::new());
-        for b in 0..16 {
-            mask.keys(b, &mut blocks, &mut columns);
-            assert!(blocks.len() <= (b as usize + 1).min(6), "{b}: {blocks:?}");
+        for budget in [4, 800] {
+            let c = Candidate { pattern: Pattern::BlockSparse, budget: [budget, 0] };
+            let mask = synthetic_mask(c, 1024 * 64);
+            for b in (0..16).chain([799, 900, 1023]) {
+                mask.keys(b, &mut blocks, &mut columns);
+                // The sink block, the diagonal and the budget's distinct blocks between them.
+                let want = (b as usize + 1).min(budget as usize + 2);
+                assert_eq!(blocks.len(), want, "budget {budget}, query block {b}: {blocks:?}");
+                assert_eq!(mask.visited_keys(b..b + 1), (want * BLOCK as usize) as f64);
+            }
         }
     }
 
