@@ -268,16 +268,23 @@ fn the_probe_equals_f64_softmax_over_its_rows() {
             worst[0], worst[1], worst[2], worst[3]
         );
         assert!(worst.iter().all(|&w| w < 1e-4), "{what}: {worst:?}");
-        // Each query block's best key blocks, best first, against f64 pooled scores.
+        // Each query block's best key blocks, best first, against f64 pooled
+        // scores: the lists of every query block, and those of the probe
+        // rows' query blocks that come back with the probe.
+        assert!(rows.positions.iter().all(|t| probe.probe_blocks.binary_search(&(t / 64)).is_ok()), "{what}");
         let scores = pooled_scores(&q, &k, c, scale as f64);
         for (h, head) in scores.iter().enumerate() {
+            let every = probe.head_lists(ctx, h).unwrap();
             for (i, row) in head.iter().enumerate() {
                 let diagonal = c.pos0 as usize / 64 + i;
                 let mut want: Vec<usize> = (1..diagonal).collect();
                 want.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
                 want.truncate(TOP_BLOCKS);
-                let got = &probe.top_blocks[(h * probe.query_blocks + i) * TOP_BLOCKS..][..TOP_BLOCKS];
-                for (at, &g) in got.iter().enumerate() {
+                let mut lists = vec![&every[i * TOP_BLOCKS..][..TOP_BLOCKS]];
+                if let Ok(p) = probe.probe_blocks.binary_search(&(diagonal as u32)) {
+                    lists.push(&probe.top_blocks[(h * probe.probe_blocks.len() + p) * TOP_BLOCKS..][..TOP_BLOCKS]);
+                }
+                for (at, &g) in lists.iter().flat_map(|got| got.iter().enumerate()) {
                     match want.get(at) {
                         None => assert_eq!(g, NO_BLOCK, "{what}: head {h} query block {i} entry {at}"),
                         Some(&w) => {

@@ -18,7 +18,9 @@
 //! disagreement u is the spread of the three subsets' means (largest minus
 //! smallest), so R = 1 − m̂ + α·u.
 
-use super::index::{BlockSparse, Mask, VerticalSlash};
+use std::sync::Arc;
+
+use super::index::{BlockSparse, ListedBlocks, Mask, VerticalSlash};
 use super::probe::{Probe, ProbeRows, Subset, COLUMNS, TOP_BLOCKS};
 use crate::gpu::attention::BLOCK;
 
@@ -106,7 +108,9 @@ impl Candidate {
     }
 
     /// This candidate's mask for KV head `h` of `probe`'s chunk, whose ranked
-    /// lines are `lines`.
+    /// lines are `lines`, as the mass estimate reads it: a block-sparse mask
+    /// lists only the query blocks of the probe's rows ([`Self::full_mask`]
+    /// lists them all).
     pub fn mask(&self, probe: &Probe, lines: &HeadLines, h: usize) -> Mask {
         let [a, b] = self.budget.map(|x| x as usize);
         match self.pattern {
@@ -118,12 +122,34 @@ impl Candidate {
             )),
             Pattern::BlockSparse => Mask::BlockSparse(BlockSparse::ranked(
                 probe.top_blocks.clone(),
-                h * probe.query_blocks * TOP_BLOCKS,
+                h * probe.probe_blocks.len() * TOP_BLOCKS,
                 TOP_BLOCKS,
-                probe.first_query_block as u32,
+                ListedBlocks::Only(probe.probe_blocks.clone()),
                 a,
             )),
         }
+    }
+
+    /// [`Self::mask`] over every query block, which the kernel and the true
+    /// mass need: a block-sparse mask reads KV head `h`'s lists from
+    /// `head_lists` (as [`Probe::head_lists`] lays them out).
+    pub fn full_mask<E>(
+        &self,
+        probe: &Probe,
+        lines: &HeadLines,
+        h: usize,
+        head_lists: impl FnOnce() -> Result<Arc<[u32]>, E>,
+    ) -> Result<Mask, E> {
+        Ok(match self.pattern {
+            Pattern::BlockSparse => Mask::BlockSparse(BlockSparse::ranked(
+                head_lists()?,
+                0,
+                TOP_BLOCKS,
+                ListedBlocks::From(probe.first_query_block as u32),
+                self.budget[0] as usize,
+            )),
+            _ => self.mask(probe, lines, h),
+        })
     }
 }
 

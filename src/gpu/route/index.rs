@@ -90,12 +90,23 @@ impl VerticalSlash {
 #[derive(Clone, Debug, PartialEq)]
 pub struct BlockSparse {
     lists: Arc<[u32]>,
-    /// Where query block `first_block`'s list starts in `lists`, and the
-    /// distance from one list to the next.
+    /// Where the first list starts in `lists`, and the distance from one list
+    /// to the next.
     offset: usize,
     stride: usize,
-    first_block: u32,
+    /// The query blocks the lists are of; the others select nothing.
+    of: ListedBlocks,
     budget: usize,
+}
+
+/// The query blocks whose lists a [`BlockSparse`] holds, in their order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ListedBlocks {
+    /// Every query block from this one on.
+    From(u32),
+    /// These, ascending: the query blocks of the probe's rows, which is all
+    /// that a mask's mass estimate reads.
+    Only(Arc<[u32]>),
 }
 
 impl BlockSparse {
@@ -105,20 +116,24 @@ impl BlockSparse {
         let stride = blocks.iter().map(Vec::len).max().unwrap_or(0).max(1);
         let lists: Vec<u32> =
             blocks.iter().flat_map(|b| b.iter().copied().chain(std::iter::repeat(NO_BLOCK)).take(stride)).collect();
-        Self { lists: lists.into(), offset: 0, stride, first_block: 0, budget: stride }
+        Self { lists: lists.into(), offset: 0, stride, of: ListedBlocks::From(0), budget: stride }
     }
 
     /// The first `budget` entries of each list in `lists[offset..]`, lists
-    /// `stride` apart, the first for query block `first_block`.
-    pub fn ranked(lists: Arc<[u32]>, offset: usize, stride: usize, first_block: u32, budget: usize) -> Self {
-        Self { lists, offset, stride, first_block, budget: budget.min(stride) }
+    /// `stride` apart, of the query blocks `of`.
+    pub fn ranked(lists: Arc<[u32]>, offset: usize, stride: usize, of: ListedBlocks, budget: usize) -> Self {
+        Self { lists, offset, stride, of, budget: budget.min(stride) }
     }
 
     /// Query block `b`'s selected key blocks (unordered, at most `budget`).
     fn selected(&self, b: u32) -> impl Iterator<Item = u32> + '_ {
-        let list = match b.checked_sub(self.first_block) {
-            Some(i) if self.offset + (i as usize + 1) * self.stride <= self.lists.len() => {
-                &self.lists[self.offset + i as usize * self.stride..][..self.budget]
+        let at = match &self.of {
+            ListedBlocks::From(first) => b.checked_sub(*first).map(|i| i as usize),
+            ListedBlocks::Only(blocks) => blocks.binary_search(&b).ok(),
+        };
+        let list = match at {
+            Some(i) if self.offset + (i + 1) * self.stride <= self.lists.len() => {
+                &self.lists[self.offset + i * self.stride..][..self.budget]
             }
             _ => &[][..],
         };
@@ -399,12 +414,18 @@ mod tests {
     fn block_sparse_takes_the_first_entries_of_ranked_lists() {
         // Two query blocks from block 4 on, lists of 3, best first.
         let lists: Arc<[u32]> = vec![9, 9, 9, 2, 1, 3, 3, NO_BLOCK, NO_BLOCK].into();
-        let mask = Mask::BlockSparse(BlockSparse::ranked(lists.clone(), 3, 3, 4, 2));
+        let mask = Mask::BlockSparse(BlockSparse::ranked(lists.clone(), 3, 3, ListedBlocks::From(4), 2));
         assert_eq!(keys(&mask, 4).0, vec![0, 1, 2, 4]);
         assert_eq!(keys(&mask, 5).0, vec![0, 3, 5]);
         assert_eq!(keys(&mask, 3).0, vec![0, 3]);
-        let mask = Mask::BlockSparse(BlockSparse::ranked(lists, 3, 3, 4, 1));
+        let mask = Mask::BlockSparse(BlockSparse::ranked(lists.clone(), 3, 3, ListedBlocks::From(4), 1));
         assert_eq!(keys(&mask, 4).0, vec![0, 2, 4]);
+        // The same two lists as those of query blocks 4 and 7 alone.
+        let only = ListedBlocks::Only(vec![4, 7].into());
+        let mask = Mask::BlockSparse(BlockSparse::ranked(lists, 3, 3, only, 2));
+        assert_eq!(keys(&mask, 4).0, vec![0, 1, 2, 4]);
+        assert_eq!(keys(&mask, 7).0, vec![0, 3, 7]);
+        assert_eq!(keys(&mask, 5).0, vec![0, 5]);
     }
 
     #[test]
@@ -414,7 +435,7 @@ mod tests {
             Mask::Dense,
             Mask::AShape { sink_blocks: 2, local_blocks: 3 },
             Mask::VerticalSlash(VerticalSlash::new(vec![], vec![0, 64, 100, 700])),
-            Mask::BlockSparse(BlockSparse::ranked(lists, 0, 3, 0, 3)),
+            Mask::BlockSparse(BlockSparse::ranked(lists, 0, 3, ListedBlocks::From(0), 3)),
         ];
         for mask in &masks {
             let (mut blocks, mut columns) = (Vec::new(), Vec::new());

@@ -16,7 +16,10 @@
 //! builder (`shaders/route_blocks.wgsl`) pools queries and keys per block,
 //! scores the pooled blocks and selects each query block's best key blocks
 //! on the GPU, so what comes back is small: the block masses of the probe
-//! rows, the line scores, and [`TOP_BLOCKS`] key blocks per query block.
+//! rows, the line scores, and the [`TOP_BLOCKS`] key blocks of the query
+//! blocks that hold probe rows (what the mass estimates read); the lists of
+//! every query block stay on the GPU until a block-sparse mask is chosen
+//! ([`Probe::head_lists`]).
 //! Once the columns are ranked, [`ProbeKernels::column_masses`] scores the
 //! best [`COLUMNS`] of each KV head against every probe row, so that a
 //! vertical-slash mask's single columns count at each row's own
@@ -24,6 +27,8 @@
 //! Probabilities are averaged over the query heads of a KV head, which share
 //! one mask. Both shader files begin with `shaders/route_params.wgsl`, whose
 //! `Params` is [`Params`] here.
+
+use std::sync::Arc;
 
 use wgpu::Buffer;
 
@@ -141,10 +146,16 @@ pub struct Probe {
     /// ([`HeadLines`](super::candidates::HeadLines)), averaged over its query
     /// heads; empty until [`ProbeKernels::column_masses`] runs.
     pub column_mass: Vec<f32>,
-    /// `[kv_head][query block of the chunk][TOP_BLOCKS]`: the key blocks
-    /// between the sink block and the diagonal with the best pooled scores,
-    /// best first, [`NO_BLOCK`] past the end of a shorter list.
-    pub top_blocks: std::sync::Arc<[u32]>,
+    /// `[kv_head][probe block][TOP_BLOCKS]`: for each query block of
+    /// `probe_blocks`, the key blocks between the sink block and the
+    /// diagonal with the best pooled scores, best first, [`NO_BLOCK`] past
+    /// the end of a shorter list.
+    pub top_blocks: Arc<[u32]>,
+    /// The query blocks that hold probe rows, ascending.
+    pub probe_blocks: Arc<[u32]>,
+    /// `[kv_head][query block of the chunk][TOP_BLOCKS]`: the same lists for
+    /// every query block, on the GPU ([`Self::head_lists`]).
+    pub(super) every_block: Option<Buffer>,
     /// Query blocks of the chunk, and the first one's index.
     pub query_blocks: usize,
     pub first_query_block: usize,
@@ -173,6 +184,23 @@ impl Probe {
     pub fn diagonals(&self, h: usize) -> &[f32] {
         let keys = self.diagonal_scores.len() / self.kv_heads;
         &self.diagonal_scores[h * keys..][..keys]
+    }
+
+    /// KV head `h`'s lists of every query block of the chunk, read from the
+    /// GPU: `[query block of the chunk][TOP_BLOCKS]`, laid out as `top_blocks`.
+    pub fn head_lists(&self, ctx: &GpuContext, h: usize) -> Result<Arc<[u32]>, GpuError> {
+        let Some(lists) = &self.every_block else {
+            return Err(GpuError::Readback("the probe's block lists were given back".into()));
+        };
+        let len = self.query_blocks * TOP_BLOCKS;
+        Ok(ctx.read::<u32>(lists, (h * len * size_of::<u32>()) as u64, len)?.into())
+    }
+
+    /// Gives the lists of every query block back to `ctx`'s pool.
+    pub fn release(&mut self, ctx: &GpuContext) {
+        if let Some(b) = self.every_block.take() {
+            ctx.recycle(b);
+        }
     }
 }
 
@@ -365,6 +393,19 @@ impl ProbeKernels {
             batch.mark();
         }
         drop(dispatches);
+        // The lists of the probe rows' query blocks, gathered for the readback.
+        let mut probe_blocks: Vec<u32> = rows.positions.iter().map(|t| t / BLOCK).collect();
+        probe_blocks.sort_unstable();
+        probe_blocks.dedup();
+        let gathered = ctx.storage::<u32>("probe blocks' lists", hk * probe_blocks.len() * TOP_BLOCKS)?;
+        let list_bytes = (TOP_BLOCKS * size_of::<u32>()) as u64;
+        for h in 0..hk {
+            for (i, &b) in probe_blocks.iter().enumerate() {
+                let from = (h * query_blocks + b as usize - first_query_block) as u64 * list_bytes;
+                let to = (h * probe_blocks.len() + i) as u64 * list_bytes;
+                batch.copy(&top, from, &gathered, to, list_bytes);
+            }
+        }
         let times = batch.submit_timed()?.unwrap_or_default();
         let kernels: Vec<(&'static str, f64)> = KERNELS.iter().copied().zip(times.iter().copied()).collect();
         let probe = Probe {
@@ -376,14 +417,17 @@ impl ProbeKernels {
             diagonal_scores: ctx.read(&diagonals, 0, hk * kv_len)?,
             row_stats: ctx.read(&row_stats, 0, r * hq)?,
             column_mass: Vec::new(),
-            top_blocks: ctx.read::<u32>(&top, 0, hk * query_blocks * TOP_BLOCKS)?.into(),
+            top_blocks: ctx.read::<u32>(&gathered, 0, hk * probe_blocks.len() * TOP_BLOCKS)?.into(),
+            probe_blocks: probe_blocks.into(),
+            every_block: Some(top),
             query_blocks,
             first_query_block,
             probe_ms: kernels.iter().take(2).map(|k| k.1).sum(),
             index_ms: kernels.iter().skip(2).map(|k| k.1).sum(),
             kernels,
         };
-        for b in [rows_buffer, block_stats, row_stats, mass, columns, parts, diagonals, pooled_q, pooled_k, scores, top]
+        for b in
+            [rows_buffer, block_stats, row_stats, mass, columns, parts, diagonals, pooled_q, pooled_k, scores, gathered]
         {
             ctx.recycle(b);
         }

@@ -218,8 +218,13 @@ impl RoutedAttention {
             .collect();
         let routing_ms = routing_started.elapsed().as_secs_f64() * 1e3 - measuring_ms;
 
-        // The dense choices to the dense kernel, the others to the sparse one.
+        // The dense choices to the dense kernel, the others to the sparse one;
+        // a block-sparse choice's lists of every query block come back first.
         let lists_started = Instant::now();
+        let mut chosen = chosen;
+        for (h, c) in chosen.iter_mut().enumerate() {
+            c.mask = c.candidate.full_mask(&probe, &lines[h], h, || probe.head_lists(ctx, h))?;
+        }
         let is_dense = |c: &Chosen| c.mask == Mask::Dense;
         let dense_heads = KvHeads::of((0..hk as u32).filter(|&h| is_dense(&chosen[h as usize])));
         let sparse_masks: Vec<Option<&Mask>> = chosen.iter().map(|c| (!is_dense(c)).then_some(&c.mask)).collect();
@@ -263,6 +268,7 @@ impl RoutedAttention {
         if let Some(gpu_index) = gpu_index {
             gpu_index.recycle(ctx);
         }
+        probe.release(ctx);
         let v_max = match self.settings.report.is_some() || self.settings.audit {
             true => value_norm_max(&ctx.read::<f16>(values, 0, kv_len as usize * hk * head_dim)?, hk, head_dim),
             false => vec![0.0; hk],
@@ -440,8 +446,11 @@ impl RoutedAttention {
     ) -> Result<(), GpuError> {
         let hk = shape.n_kv_head as usize;
         let mut residuals = Vec::new();
+        let head_lists = (0..hk).map(|h| probe.head_lists(ctx, h)).collect::<Result<Vec<_>, _>>()?;
         for c in Candidate::library().iter().filter(|c| c.pattern != Pattern::Dense) {
-            let masks: Vec<Mask> = (0..hk).map(|h| c.mask(probe, &lines[h], h)).collect();
+            let masks = (0..hk)
+                .map(|h| c.full_mask(probe, &lines[h], h, || Ok(head_lists[h].clone())))
+                .collect::<Result<Vec<Mask>, GpuError>>()?;
             let refs: Vec<Option<&Mask>> = masks.iter().map(Some).collect();
             let index = SparseIndex::new(&refs, shape.kv_len()).upload(ctx)?;
             let truth = self.true_masses(ctx, shape, qk, Some(&index))?;
