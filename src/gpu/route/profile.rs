@@ -265,6 +265,7 @@ impl LatencyProfile {
                 if run > 0 {
                     samples.push(p.probe_ms + p.index_ms);
                 }
+                p.release(ctx);
             }
             profile.probe.push(ProbeEntry { tokens: n, us: median(&samples) * 1e3 });
             for b in [q, k, v, o] {

@@ -206,7 +206,7 @@ impl RoutedAttention {
                     .collect()
             })
             .collect();
-        let chosen: Vec<Chosen> = options
+        let mut chosen: Vec<Chosen> = options
             .into_iter()
             .zip(&picks)
             .enumerate()
@@ -221,8 +221,7 @@ impl RoutedAttention {
         // The dense choices to the dense kernel, the others to the sparse one;
         // a block-sparse choice's lists of every query block come back first.
         let lists_started = Instant::now();
-        let mut chosen = chosen;
-        for (h, c) in chosen.iter_mut().enumerate() {
+        for (h, c) in chosen.iter_mut().enumerate().filter(|(_, c)| c.candidate.pattern == Pattern::BlockSparse) {
             c.mask = c.candidate.full_mask(&probe, &lines[h], h, || probe.head_lists(ctx, h))?;
         }
         let is_dense = |c: &Chosen| c.mask == Mask::Dense;
