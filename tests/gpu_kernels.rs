@@ -59,7 +59,7 @@ fn check_matmul(ctx: &GpuContext, path: KernelPath, shape: MatmulShape, noise: &
     let want = matmul_reference(&x, &w, shape);
     let (xb, wb) = (ctx.upload("x", &x).unwrap(), ctx.upload("w", &w).unwrap());
     let yb = poisoned(ctx, "y", want.len());
-    let matmul = Matmul::new(&ctx.device, path);
+    let matmul = Matmul::new(ctx, path);
     let bind = matmul.bind(&ctx.device, &xb, &wb, &yb);
     let mut batch = ctx.batch();
     batch.record("matmul", |pass| matmul.dispatch(pass, &bind, shape, [xb.size(), wb.size(), yb.size()])).unwrap();
@@ -91,7 +91,7 @@ fn matmul_matches_f64_reference_with_tails() {
 fn matmul_rejects_what_it_cannot_hold() {
     let Some(ctx) = common::gpu("matmul_rejects_what_it_cannot_hold") else { return };
     let Some(&path) = common::kernel_paths(ctx, "matmul_rejects_what_it_cannot_hold").last() else { return };
-    let matmul = Matmul::new(&ctx.device, path);
+    let matmul = Matmul::new(ctx, path);
     let small = ctx.upload("small", &[0.0f32; 16]).unwrap();
     let bind = matmul.bind(&ctx.device, &small, &small, &small);
     let shape = MatmulShape { tokens: 8, n_in: 8, n_out: 8 };

@@ -285,7 +285,7 @@ fn bench_matmul(ctx: &GpuContext, path: KernelPath, shape: MatmulShape, runs: us
     let x = xs.buffer(ctx, "x", t * k)?;
     let w = ws.buffer(ctx, "w", n * k)?;
     let y = ctx.storage::<f32>("y", t * n)?;
-    let matmul = Matmul::new(&ctx.device, path);
+    let matmul = Matmul::new(ctx, path);
     let bind = matmul.bind(&ctx.device, &x, &w, &y);
     let sizes = [x.size(), w.size(), y.size()];
     let ms = time(ctx, runs, &|batch| Ok(batch.record("matmul", |pass| matmul.dispatch(pass, &bind, shape, sizes))?))?;

@@ -6,11 +6,13 @@
 //! f32. Two shaders compute it: `shaders/matmul_coop.wgsl` on the tensor cores
 //! (128 × 128 output blocks of 16 × 16 × 16 cooperative-matrix products; X is
 //! rounded to f16 on its way into workgroup memory) and `shaders/matmul.wgsl`
-//! on plain 64 × 64 workgroup tiles in f32. Both handle any `tokens` and
-//! `n_out`; the cooperative one needs `n_in` to be a multiple of 4.
+//! on plain 64 × 64 workgroup tiles in f32, through one of its two entry
+//! points: 4 × 4 outputs per invocation on GPUs, 8 × 8 on software renderers
+//! (the shader says why). All handle any `tokens` and `n_out`; the
+//! cooperative one needs `n_in` to be a multiple of 4.
 
 use super::pipeline::{Access, Pipeline};
-use super::{KernelError, KernelPath};
+use super::{GpuContext, KernelError, KernelPath};
 
 const TILED: &str = include_str!("../../shaders/matmul.wgsl");
 const COOPERATIVE: &str = include_str!("../../shaders/matmul_coop.wgsl");
@@ -37,12 +39,14 @@ pub struct Matmul {
 }
 
 impl Matmul {
-    pub fn new(device: &wgpu::Device, path: KernelPath) -> Self {
-        let source = match path {
-            KernelPath::CooperativeMatrix => COOPERATIVE,
-            KernelPath::Tiled => TILED,
+    pub fn new(ctx: &GpuContext, path: KernelPath) -> Self {
+        let (source, entry) = match path {
+            KernelPath::CooperativeMatrix => (COOPERATIVE, "main"),
+            KernelPath::Tiled if ctx.is_software() => (TILED, "main_software"),
+            KernelPath::Tiled => (TILED, "main"),
         };
-        let kernel = Pipeline::new(device, "matmul", "", source, &[Access::Read, Access::Read, Access::ReadWrite]);
+        let buffers = [Access::Read, Access::Read, Access::ReadWrite];
+        let kernel = Pipeline::entry(&ctx.device, "matmul", "", source, entry, &buffers);
         Self { kernel, path }
     }
 

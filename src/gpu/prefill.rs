@@ -190,7 +190,7 @@ impl<'m> GpuPrefill<'m> {
             model,
             layers,
             kernels: LayerKernels::new(ctx)?,
-            matmul: Matmul::new(&ctx.device, path),
+            matmul: Matmul::new(ctx, path),
             attention,
             min_tokens: 1,
             max_chunk: usize::MAX,
