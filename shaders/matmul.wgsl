@@ -126,6 +126,12 @@ const SOFTWARE_TILE_K: u32 = 32u;
 var<workgroup> x_fours: array<vec4<f32>, SOFTWARE_TILE_K * TILE_M / 4u>;
 var<workgroup> w_fours: array<vec4<f32>, SOFTWARE_TILE_K * TILE_N / 4u>;
 
+// Row t's eight outputs from column n: its two fours.
+fn store_eight(t: u32, n: u32, low: vec4<f32>, high: vec4<f32>) {
+    store_row(t, n, low);
+    store_row(t, n + 4u, high);
+}
+
 @compute @workgroup_size(64)
 fn main_software(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let m0 = group.y * TILE_M;
@@ -191,20 +197,12 @@ fn main_software(@builtin(workgroup_id) group: vec3<u32>, @builtin(local_invocat
     }
     let m = m0 + m4 * 4u;
     let n = n0 + n4 * 4u;
-    store_row(m + 0u, n, a0);
-    store_row(m + 0u, n + 4u, b0);
-    store_row(m + 1u, n, a1);
-    store_row(m + 1u, n + 4u, b1);
-    store_row(m + 2u, n, a2);
-    store_row(m + 2u, n + 4u, b2);
-    store_row(m + 3u, n, a3);
-    store_row(m + 3u, n + 4u, b3);
-    store_row(m + 4u, n, a4);
-    store_row(m + 4u, n + 4u, b4);
-    store_row(m + 5u, n, a5);
-    store_row(m + 5u, n + 4u, b5);
-    store_row(m + 6u, n, a6);
-    store_row(m + 6u, n + 4u, b6);
-    store_row(m + 7u, n, a7);
-    store_row(m + 7u, n + 4u, b7);
+    store_eight(m + 0u, n, a0, b0);
+    store_eight(m + 1u, n, a1, b1);
+    store_eight(m + 2u, n, a2, b2);
+    store_eight(m + 3u, n, a3, b3);
+    store_eight(m + 4u, n, a4, b4);
+    store_eight(m + 5u, n, a5, b5);
+    store_eight(m + 6u, n, a6, b6);
+    store_eight(m + 7u, n, a7, b7);
 }
