@@ -158,16 +158,28 @@ impl Cache {
 struct Call<'a> {
     cache: &'a Cache,
     perturbations: Perturbations,
+    /// `p_i ≥ s_i + E_i` per pool key: the score's upper bound and the
+    /// perturbation.
+    uppers: Vec<f32>,
     value_norm_max: f64,
 }
 
 impl<'a> Call<'a> {
     fn new(cache: &'a Cache, step: u64) -> Self {
         let seed = PerturbationSeed { seed: 0xce47, fixed: false };
-        let value_norm_max = (0..KEYS - SINKS - WINDOW)
+        let pool = 0..KEYS - SINKS - WINDOW;
+        let value_norm_max = pool
+            .clone()
             .map(|i| cache.value(Cache::pool_key(i)).iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt())
             .fold(0.0, f64::max);
-        Self { cache, perturbations: Perturbations::new(seed, 0, 0, step), value_norm_max }
+        let perturbations = Perturbations::new(seed, 0, 0, step);
+        let uppers = pool
+            .map(|i| {
+                let upper = cache.scores[Cache::pool_key(i)] + cache.slack[i].1;
+                f32_up(upper + perturbations.exponential(Cache::pool_key(i)))
+            })
+            .collect();
+        Self { cache, perturbations, uppers, value_norm_max }
     }
 }
 
@@ -192,11 +204,8 @@ impl HeadKeys for Call<'_> {
             .map(|i| self.cache.scores[Cache::pool_key(i)] - self.cache.slack[i].0)
             .fold(f64::MIN, f64::max)
     }
-    fn perturbed_uppers(&self, out: &mut [f32]) {
-        for (i, p) in out.iter_mut().enumerate() {
-            let upper = self.cache.scores[Cache::pool_key(i)] + self.cache.slack[i].1;
-            *p = f32_up(upper + self.perturbations.exponential(Cache::pool_key(i)));
-        }
+    fn perturbed_uppers(&self) -> &[f32] {
+        &self.uppers
     }
     fn refines(&self) -> bool {
         true

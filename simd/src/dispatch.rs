@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use half::f16;
 
 use crate::formats::{self, float32};
-use crate::sketch::{Bounds, RefineQuery, RefinedBounds, SketchCodes, SketchQuery};
+use crate::sketch::{Bounds, RefineQuery, RefinedRows, SketchCodes, SketchQuery};
 use crate::{ActivationType, WeightType};
 
 /// Dot of one weight row with one activation row. The row lengths have been checked
@@ -67,7 +67,7 @@ pub(crate) type SketchPrepareFn = unsafe fn(
 pub(crate) type LevelsFn = unsafe fn(values: &[f32], thresholds: &[f32], out: &mut [u8]);
 /// A page's refined bounds for a query group (see [`Kernels::sketch_refine_page`]).
 pub(crate) type SketchRefinePageFn =
-    unsafe fn(coarse: &SketchCodes, fine: &SketchCodes, queries: &[RefineQuery], out: &mut [RefinedBounds]);
+    unsafe fn(coarse: &SketchCodes, fine: &SketchCodes, queries: &[RefineQuery], out: &mut RefinedRows);
 /// Score bounds of a query group over rows of sketch codes (see [`Kernels::sketch_scan`]).
 pub(crate) type SketchScanFn = unsafe fn(codes: &SketchCodes, queries: &[SketchQuery], out: &mut [Bounds]);
 

@@ -59,8 +59,8 @@ mod x86;
 pub use attention::prefetch;
 pub use dispatch::{kernels, select_isa, CodeRows, Isa, Kernels, ParseIsaError, SelectIsaError};
 pub use sketch::{
-    Bounds, FineConstants, PrepareScales, PrepareSums, RefineQuery, RefinedBounds, SketchCodes, SketchLayout,
-    SketchQuery,
+    Bounds, FineConstants, PrepareScales, PrepareSums, RefineQuery, RefinedBounds, RefinedRows, SketchCodes,
+    SketchLayout, SketchQuery,
 };
 
 /// Element type of a weight tensor, named and numbered as GGML does.

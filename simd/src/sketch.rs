@@ -183,6 +183,76 @@ pub struct RefinedBounds {
     pub scanned: Bounds,
 }
 
+/// The [`RefinedBounds`] of a page's rows for a group of queries, a slice
+/// per field, so that a caller reads the one it needs end to end: query
+/// `h`'s bounds of row `i` of `n` are at `h · n + i` in each.
+pub struct RefinedRows<'a> {
+    /// `refined.lower`.
+    pub lower: &'a mut [f32],
+    /// `refined.upper`.
+    pub upper: &'a mut [f32],
+    /// `scanned.lower`.
+    pub scanned_lower: &'a mut [f32],
+    /// `scanned.upper`.
+    pub scanned_upper: &'a mut [f32],
+}
+
+impl<'a> RefinedRows<'a> {
+    /// The four fields in four equal parts of `buffer`, in the order of
+    /// the struct's.
+    ///
+    /// # Panics
+    /// If `buffer`'s length is not a multiple of 4.
+    pub fn of(buffer: &'a mut [f32]) -> Self {
+        assert!(buffer.len().is_multiple_of(4), "four fields of {} numbers", buffer.len() as f64 / 4.0);
+        let (lower, rest) = buffer.split_at_mut(buffer.len() / 4);
+        let (upper, rest) = rest.split_at_mut(lower.len());
+        let (scanned_lower, scanned_upper) = rest.split_at_mut(lower.len());
+        Self { lower, upper, scanned_lower, scanned_upper }
+    }
+
+    /// The bounds at `range` of every field.
+    pub fn slice(&mut self, range: core::ops::Range<usize>) -> RefinedRows<'_> {
+        RefinedRows {
+            lower: &mut self.lower[range.clone()],
+            upper: &mut self.upper[range.clone()],
+            scanned_lower: &mut self.scanned_lower[range.clone()],
+            scanned_upper: &mut self.scanned_upper[range],
+        }
+    }
+
+    /// Bounds per field.
+    pub fn len(&self) -> usize {
+        self.lower.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.lower.is_empty()
+    }
+
+    /// Whether every field has as many bounds.
+    fn is_even(&self) -> bool {
+        let n = self.len();
+        self.upper.len() == n && self.scanned_lower.len() == n && self.scanned_upper.len() == n
+    }
+
+    /// Writes the bounds at `k`.
+    #[inline(always)]
+    pub fn set(&mut self, k: usize, b: RefinedBounds) {
+        (self.lower[k], self.upper[k]) = (b.refined.lower, b.refined.upper);
+        (self.scanned_lower[k], self.scanned_upper[k]) = (b.scanned.lower, b.scanned.upper);
+    }
+
+    /// The bounds at `k`.
+    pub fn get(&self, k: usize) -> RefinedBounds {
+        RefinedBounds {
+            refined: Bounds { lower: self.lower[k], upper: self.upper[k] },
+            scanned: Bounds { lower: self.scanned_lower[k], upper: self.scanned_upper[k] },
+        }
+    }
+}
+
 /// The per-channel terms of a sketch query's set-up, summed over the
 /// channels: what `sift`'s key sketch turns into the bounds' constants (it
 /// derives them). With `a_c = q_c·step_c`, weights `â_c = round(a_c/α)`,
@@ -491,14 +561,14 @@ impl BlockDots for Portable {
 ///
 /// # Safety
 /// As [`scan`]; the fine codes have the coarse codes' layout, rows and
-/// width (4 bits), and `out` holds as many bounds per query as there are
-/// rows.
+/// width (4 bits), and every field of `out` holds as many bounds per query
+/// as there are rows.
 #[inline(always)]
 pub(crate) unsafe fn refine_composed<D: BlockDots>(
     coarse: &SketchCodes,
     fine: &SketchCodes,
     queries: &[RefineQuery],
-    out: &mut [RefinedBounds],
+    out: &mut RefinedRows,
 ) {
     /// Queries refined together: their weights and residuals make sixteen
     /// weight sets at most.
@@ -510,7 +580,7 @@ pub(crate) unsafe fn refine_composed<D: BlockDots>(
     let empty = SketchQuery { weights: &[], beta: 0.0, lower: 0.0, upper: 0.0 };
     let mut views = [empty; 2 * GROUP];
     let mut dots = [0i32; 4 * 2 * GROUP * BLOCK];
-    for (queries, out) in queries.chunks(GROUP).zip(out.chunks_mut(GROUP * rows)) {
+    for (group, queries) in queries.chunks(GROUP).enumerate() {
         let n = queries.len();
         for (k, query) in queries.iter().enumerate() {
             views[k] = query.scan;
@@ -531,7 +601,8 @@ pub(crate) unsafe fn refine_composed<D: BlockDots>(
             for (h, query) in queries.iter().enumerate() {
                 for r in 0..block {
                     let k = h * block + r;
-                    out[h * rows + first + r] = query.bounds(dots[k], code_dot(k), code_dot(len + k));
+                    let at = (group * GROUP + h) * rows + first + r;
+                    out.set(at, query.bounds(dots[k], code_dot(k), code_dot(len + k)));
                 }
             }
         }
@@ -619,7 +690,7 @@ pub(crate) mod portable {
         coarse: &SketchCodes,
         fine: &SketchCodes,
         queries: &[RefineQuery],
-        out: &mut [RefinedBounds],
+        out: &mut RefinedRows,
     ) {
         // SAFETY: as above.
         unsafe { refine_composed::<Portable>(coarse, fine, queries, out) }
@@ -689,7 +760,7 @@ impl Kernels {
         unsafe { (self.sketch.dots_at)(codes, queries, rows, out) }
     }
 
-    /// `out[h · n + i]`: query `h`'s bounds on its score of row `i` of the
+    /// `out`'s bounds at `h · n + i`: query `h`'s bounds on its score of row `i` of the
     /// `n` rows of a page whose 8-bit codes are kept as `coarse` (the top 4
     /// bits, as the scan reads them) over `fine` (the low 4 bits, in the
     /// same layout): [`RefineQuery::bounds`] of the row's exact integer
@@ -699,14 +770,14 @@ impl Kernels {
     /// # Panics
     /// If the codes are not 4-bit, not whole rows of `1..=2^16` codes, the
     /// fine codes differ in layout or rows, a query has other than
-    /// [`SketchLayout::weights_len`] weights or residuals, or `out` does not
-    /// hold `n` bounds per query.
+    /// [`SketchLayout::weights_len`] weights or residuals, or a field of
+    /// `out` does not hold `n` bounds per query.
     pub fn sketch_refine_page(
         &self,
         coarse: &SketchCodes,
         fine: &SketchCodes,
         queries: &[RefineQuery],
-        out: &mut [RefinedBounds],
+        out: &mut RefinedRows,
     ) {
         let rows = coarse.rows();
         assert!(coarse.layout.bits == 4 && coarse.layout.dim <= 1 << 16, "refining {:?}", coarse.layout);
@@ -717,6 +788,7 @@ impl Kernels {
             queries.iter().all(|q| q.scan.weights.len() == weights && q.residuals.len() == weights),
             "every query needs {weights} weights and residuals"
         );
+        assert!(out.is_even(), "as many bounds in every field");
         assert_eq!(out.len(), rows * queries.len(), "{} queries by {rows} rows", queries.len());
         // SAFETY: lengths checked above; the table's ISA is supported (see `dispatch`).
         unsafe { (self.sketch.refine_page)(coarse, fine, queries, out) }

@@ -8,7 +8,10 @@ mod common;
 
 use common::Rng;
 use proptest::prelude::{any, prop, prop_assert, prop_assert_eq, proptest, ProptestConfig, TestCaseError};
-use simd::{Bounds, FineConstants, Isa, Kernels, RefineQuery, RefinedBounds, SketchCodes, SketchLayout, SketchQuery};
+use simd::{
+    Bounds, FineConstants, Isa, Kernels, RefineQuery, RefinedBounds, RefinedRows, SketchCodes, SketchLayout,
+    SketchQuery,
+};
 
 /// Code `c` of a row packed lowest bits first.
 fn code(row: &[u8], c: usize, bits: u32) -> i32 {
@@ -137,9 +140,10 @@ fn check_refine(seed: u64, dim: usize, rows: usize, heads: usize) -> Result<(), 
     };
     let (coarse, fine) = (SketchCodes { layout, codes: &coarse }, SketchCodes { layout, codes: &fine });
     for isa in Isa::available() {
-        let nan = Bounds { lower: f32::NAN, upper: f32::NAN };
-        let mut out = vec![RefinedBounds { refined: nan, scanned: nan }; heads * rows];
+        let mut fields = vec![f32::NAN; 4 * heads * rows];
+        let mut out = RefinedRows::of(&mut fields);
         Kernels::for_isa(isa).unwrap().sketch_refine_page(&coarse, &fine, &queries, &mut out);
+        let out: Vec<RefinedBounds> = (0..heads * rows).map(|k| out.get(k)).collect();
         prop_assert_eq!(
             bits_of(&out),
             bits_of(&want),

@@ -81,7 +81,7 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use simd::{CodeRows, FineConstants, PrepareSums, RefineQuery, RefinedBounds, SketchCodes, SketchLayout, SketchQuery};
+use simd::{CodeRows, FineConstants, PrepareSums, RefineQuery, RefinedRows, SketchCodes, SketchLayout, SketchQuery};
 
 use std::ops::Range;
 
@@ -325,9 +325,11 @@ impl KeySketch {
             out.copy_from_slice(scanned);
             return;
         }
-        let mut both = vec![RefinedBounds::default(); out.len()];
+        let mut fields = vec![0.0; 4 * out.len()];
+        let mut both = RefinedRows::of(&mut fields);
         self.refine_page(queries, &mut both);
-        for ((o, s), b) in out.iter_mut().zip(scanned.iter_mut()).zip(&both) {
+        for (k, (o, s)) in out.iter_mut().zip(scanned.iter_mut()).enumerate() {
+            let b = both.get(k);
             (*o, *s) = (b.refined, b.scanned);
         }
     }
@@ -335,13 +337,14 @@ impl KeySketch {
     /// The bounds of every key of a page that keeps 8-bit codes, from all
     /// of them and from the scanned ones, for several queries (the query
     /// heads of one KV head), each prepared for this page: `out[h·PAGE + i]`
-    /// bounds query `h`'s score of key `i`. One pass over the coarse and
-    /// fine codes for all the queries ([`simd::Kernels::sketch_refine_page`]);
-    /// the same bits as [`Self::refine_heads`] and [`Self::scan_heads`].
+    /// bounds query `h`'s score of key `i` (in each of `out`'s fields). One
+    /// pass over the coarse and fine codes for all the queries
+    /// ([`simd::Kernels::sketch_refine_page`]); the same bits as
+    /// [`Self::refine_heads`] and [`Self::scan_heads`].
     ///
     /// # Panics
     /// If the sketch does not refine ([`Self::refines`]).
-    pub fn refine_page(&self, queries: &[ScanQuery], out: &mut [RefinedBounds]) {
+    pub fn refine_page(&self, queries: &[ScanQuery], out: &mut RefinedRows) {
         const GROUP: usize = 8;
         assert!(self.refines(), "a page whose sketch keeps 8 bits");
         assert_eq!(out.len(), queries.len() * PAGE, "a page of bounds per query");
@@ -349,11 +352,12 @@ impl KeySketch {
         let fine = SketchCodes { layout: coarse.layout, codes: &self.fine };
         let empty = SketchQuery { weights: &[], beta: 0.0, lower: 0.0, upper: 0.0 };
         let mut views = [RefineQuery { scan: empty, residuals: &[], fine: FineConstants::default() }; GROUP];
-        for (queries, out) in queries.chunks(GROUP).zip(out.chunks_mut(GROUP * PAGE)) {
+        for (k, queries) in queries.chunks(GROUP).enumerate() {
             for (view, query) in views.iter_mut().zip(queries) {
                 *view = query.refine_view();
             }
-            simd::kernels().sketch_refine_page(&coarse, &fine, &views[..queries.len()], out);
+            let at = k * GROUP * PAGE..(k * GROUP + queries.len()) * PAGE;
+            simd::kernels().sketch_refine_page(&coarse, &fine, &views[..queries.len()], &mut out.slice(at));
         }
     }
 

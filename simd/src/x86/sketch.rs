@@ -22,8 +22,8 @@ use core::arch::x86_64::*;
 use super::{load32, reduce8x8, Avx2, Avx512, AvxVnni, IsaOps};
 use crate::dispatch::SketchKernels;
 use crate::sketch::{
-    reduce_prepare, BlockDots, Bounds, PrepareScales, PrepareSums, RefineQuery, RefinedBounds, SketchCodes,
-    SketchQuery, ROUND,
+    reduce_prepare, BlockDots, Bounds, PrepareScales, PrepareSums, RefineQuery, RefinedRows, SketchCodes, SketchQuery,
+    ROUND,
 };
 
 /// Bytes of codes per vector.
@@ -126,8 +126,9 @@ type RowDots<const G: usize> = [[__m256i; 3]; G];
 /// products take 8-bit codes exactly: per row and [`VECTOR`] code bytes, the
 /// coarse nibbles and the two 8-bit codes of each byte pair (coarse nibble
 /// above fine nibble) meet each query's weight planes, three chains of
-/// `dp`; [`REFINED_ROWS`] rows' dots are reduced together, and their bounds
-/// computed in f32 vectors with the operations of [`RefineQuery::bounds`].
+/// `dp`; [`REFINED_ROWS`] rows' dots are reduced together, their bounds
+/// computed in f32 vectors with the operations of [`RefineQuery::bounds`]
+/// and stored a vector per field.
 ///
 /// # Safety
 /// The CPU must support the ISA, whose `dp` has [`IsaOps::BYTE_DP`]; the
@@ -137,43 +138,46 @@ unsafe fn refine_fused<I: IsaOps>(
     coarse: &SketchCodes,
     fine: &SketchCodes,
     queries: &[RefineQuery],
-    out: &mut [RefinedBounds],
+    out: &mut RefinedRows,
 ) {
     const { assert!(I::BYTE_DP, "8-bit codes need exact byte products") };
     let rows = out.len() / queries.len().max(1);
     if rows == 0 {
         return;
     }
-    let mut groups = queries.iter().zip(out.chunks_exact_mut(rows));
-    // SAFETY (every arm): the caller's guarantees are passed on.
-    loop {
-        match groups.len() {
-            0 => break,
-            1 => unsafe { refine_group::<I, 1>(coarse, fine, &mut groups, rows) },
-            2 => unsafe { refine_group::<I, 2>(coarse, fine, &mut groups, rows) },
-            3 => unsafe { refine_group::<I, 3>(coarse, fine, &mut groups, rows) },
-            _ => unsafe { refine_group::<I, 4>(coarse, fine, &mut groups, rows) },
-        }
+    let mut first = 0;
+    while first < queries.len() {
+        let left = &queries[first..];
+        // SAFETY (every arm): the caller's guarantees are passed on.
+        first += match left.len() {
+            1 => unsafe { refine_group::<I, 1>(coarse, fine, left, first, out, rows) },
+            2 => unsafe { refine_group::<I, 2>(coarse, fine, left, first, out, rows) },
+            3 => unsafe { refine_group::<I, 3>(coarse, fine, left, first, out, rows) },
+            _ => unsafe { refine_group::<I, 4>(coarse, fine, left, first, out, rows) },
+        };
     }
 }
 
-/// [`refine_fused`] of the next `G` queries.
+/// [`refine_fused`] of the first `G` of `queries`, the queries from
+/// `first_query` on: returns `G`.
 ///
 /// # Safety
-/// As [`refine_fused`]; at least `G` queries are left.
+/// As [`refine_fused`]; at least `G` queries are given.
 #[inline(always)]
-unsafe fn refine_group<'a, 'q: 'a, I: IsaOps, const G: usize>(
+unsafe fn refine_group<I: IsaOps, const G: usize>(
     coarse: &SketchCodes,
     fine: &SketchCodes,
-    groups: &mut impl Iterator<Item = (&'a RefineQuery<'q>, &'a mut [RefinedBounds])>,
+    queries: &[RefineQuery],
+    first_query: usize,
+    out: &mut RefinedRows,
     rows: usize,
-) {
-    let mut group: [_; G] = core::array::from_fn(|_| groups.next().expect("a whole group is left"));
+) -> usize {
+    let group: [&RefineQuery; G] = core::array::from_fn(|g| &queries[g]);
     let len = coarse.layout.row_bytes();
     let whole = len / VECTOR * VECTOR;
     // Per query, its four planes (weights even and odd, residuals even and
     // odd), and their last bytes padded with zeros.
-    let planes: [[&[i8]; 4]; G] = group.each_ref().map(|(q, _)| {
+    let planes: [[&[i8]; 4]; G] = group.map(|q| {
         let (w, r) = (q.scan.weights, q.residuals);
         [&w[..len], &w[len..2 * len], &r[..len], &r[len..2 * len]]
     });
@@ -223,12 +227,20 @@ unsafe fn refine_group<'a, 'q: 'a, I: IsaOps, const G: usize>(
             }
         }
         let block = (rows - start).min(REFINED_ROWS);
-        for ((query, out), dots) in group.iter_mut().zip(&dots) {
+        for (g, (query, dots)) in group.iter().zip(&dots).enumerate() {
             // SAFETY: the caller's ISA guarantee.
             let bounds = unsafe { refined_bounds(query, dots.each_ref().map(|d| reduce8x8(d))) };
-            out[start..start + block].copy_from_slice(&bounds[..block]);
+            let at = (first_query + g) * rows + start;
+            let fields = [&mut *out.lower, &mut *out.upper, &mut *out.scanned_lower, &mut *out.scanned_upper];
+            for (field, lanes) in fields.into_iter().zip(&bounds) {
+                match field[at..].first_chunk_mut::<REFINED_ROWS>() {
+                    Some(whole) if block == REFINED_ROWS => *whole = *lanes,
+                    _ => field[at..at + block].copy_from_slice(&lanes[..block]),
+                }
+            }
         }
     }
+    G
 }
 
 /// Adds to `acc` one vector of a row's code bytes: coarse `c` and fine `f`,
@@ -262,14 +274,15 @@ unsafe fn refine_bytes<I: IsaOps, const G: usize>(
 }
 
 /// [`RefineQuery::bounds`] of eight rows, from their dots `[coarse, 8-bit,
-/// 8-bit residual]`, in f32 vectors with the same operations.
+/// 8-bit residual]`, in f32 vectors with the same operations: the rows'
+/// refined lower and upper bounds, then the scan's.
 ///
 /// # Safety
 /// The CPU must support AVX2.
 #[inline(always)]
-unsafe fn refined_bounds(query: &RefineQuery, dots: [__m256i; 3]) -> [RefinedBounds; REFINED_ROWS] {
+unsafe fn refined_bounds(query: &RefineQuery, dots: [__m256i; 3]) -> [[f32; REFINED_ROWS]; 4] {
     // SAFETY: the caller's ISA guarantee covers every intrinsic below.
-    let lanes: [[f32; 8]; 4] = unsafe {
+    unsafe {
         let splat = _mm256_set1_ps;
         let [coarse, code, residual] = dots.map(|d| _mm256_cvtepi32_ps(d));
         let x = _mm256_mul_ps(splat(query.scan.beta), coarse);
@@ -280,11 +293,7 @@ unsafe fn refined_bounds(query: &RefineQuery, dots: [__m256i; 3]) -> [RefinedBou
         let (lower, upper) = (_mm256_add_ps(x, splat(fine.lower)), _mm256_add_ps(x, splat(fine.upper)));
         [_mm256_max_ps(lower, scanned_lower), _mm256_min_ps(upper, scanned_upper), scanned_lower, scanned_upper]
             .map(bytemuck::cast)
-    };
-    core::array::from_fn(|r| RefinedBounds {
-        refined: Bounds { lower: lanes[0][r], upper: lanes[1][r] },
-        scanned: Bounds { lower: lanes[2][r], upper: lanes[3][r] },
-    })
+    }
 }
 
 /// The first [`VECTOR`] items of `x`, which has them.
@@ -332,7 +341,7 @@ macro_rules! sketch_entries {
                 coarse: &SketchCodes,
                 fine: &SketchCodes,
                 queries: &[RefineQuery],
-                out: &mut [RefinedBounds],
+                out: &mut RefinedRows,
             ) {
                 // SAFETY: this function enables the features.
                 unsafe { $refine::<$I>(coarse, fine, queries, out) }

@@ -70,7 +70,7 @@ use crate::attn::read::{self, HeadRows};
 use crate::attn::{LayerCall, Scorer, Split};
 use crate::kv::quant::{packed_len, Affine, Bits};
 use crate::kv::{Bounds, KeyCover, KvMode, PagedLayer, Rows, ScanQuery, PAGE};
-use simd::RefinedBounds;
+use simd::RefinedRows;
 
 /// The pool of one KV head at one decoding step, scanned for the query
 /// heads of its group.
@@ -124,9 +124,6 @@ impl GroupScan {
         self.scorer = batch.scorer;
         self.pool = split.pool.clone();
         self.perturbations = Some(*perturbations);
-        let pool = self.pool.len();
-        self.perturbed.clear();
-        self.perturbed.resize(n_gqa * pool, f32::INFINITY);
         self.lower_max.clear();
         self.lower_max.resize(n_gqa, f64::NEG_INFINITY);
         self.scanned_bytes = 0;
@@ -152,6 +149,7 @@ impl GroupScan {
         const MIN_PAGES: usize = 16;
         let pool = self.pool.clone();
         if pool.is_empty() {
+            self.perturbed.clear();
             return;
         }
         let (first_page, last_page) = (pool.start / PAGE, pool.end.div_ceil(PAGE));
@@ -174,6 +172,10 @@ impl GroupScan {
                 .for_each(|(k, stretch)| stretch.scan(this, call, kv_head, positions(k)));
         }
         let (n_gqa, len) = (self.n_gqa, pool.len());
+        if n > 1 {
+            // (Every number is the copy of a stretch's, below.)
+            self.perturbed.resize(n_gqa * len, 0.0);
+        }
         for (k, stretch) in stretches.iter_mut().enumerate() {
             let keys = positions(k);
             if n == 1 {
@@ -223,7 +225,8 @@ struct Stretch {
     prepared: Vec<ScanQuery>,
     affine: Vec<f32>,
     page_bounds: Vec<Bounds>,
-    refined_bounds: Vec<RefinedBounds>,
+    /// The fields of a page's refined bounds ([`RefinedRows::of`]).
+    refined_bounds: Vec<f32>,
     /// `[head][key of the stretch]`: `p_i ≥ s_i + E_i`.
     perturbed: Vec<f32>,
     /// Per head: the largest lower bound of a key's score in the stretch.
@@ -241,16 +244,26 @@ impl Stretch {
         let cache = call.cache;
         let (n_gqa, dim, len) = (group.n_gqa, call.batch.head_dim_k, positions.len());
         let scorer = group.scorer;
-        self.perturbed.clear();
+        // Every key's bound is written below: a sketched page's by its scan,
+        // the others' as `+∞`.
         self.perturbed.resize(n_gqa * len, f32::INFINITY);
         self.lower_max.clear();
         self.lower_max.resize(n_gqa, f64::NEG_INFINITY);
         (self.bytes, self.refines) = (0, false);
         self.prepared.resize_with(n_gqa, ScanQuery::default);
         self.page_bounds.resize(n_gqa * PAGE, Bounds::default());
-        self.refined_bounds.resize(n_gqa * PAGE, RefinedBounds::default());
+        self.refined_bounds.resize(4 * n_gqa * PAGE, 0.0);
         for cover in cache.key_cover(kv_head, positions.clone()) {
-            let KeyCover::Sketched { page, sketch, rows } = cover else { continue };
+            let (page, sketch, rows) = match cover {
+                KeyCover::Sketched { page, sketch, rows } => (page, sketch, rows),
+                KeyCover::Exact(keys) => {
+                    let keys = keys.start - positions.start..keys.end - positions.start;
+                    for perturbed in self.perturbed.chunks_exact_mut(len) {
+                        perturbed[keys.clone()].fill(f32::INFINITY);
+                    }
+                    continue;
+                }
+            };
             if let Some(next) = cache.sketch(kv_head, page + 1) {
                 next.prefetch();
             }
@@ -261,7 +274,7 @@ impl Stretch {
             let refines = sketch.refines();
             self.refines |= refines;
             if refines {
-                sketch.refine_page(&self.prepared, &mut self.refined_bounds);
+                sketch.refine_page(&self.prepared, &mut RefinedRows::of(&mut self.refined_bounds));
                 self.bytes += dim * std::mem::size_of::<Affine>() + PAGE * sketch.refinement_bytes();
             } else {
                 sketch.scan_heads(&self.prepared, &mut self.page_bounds);
@@ -273,9 +286,9 @@ impl Stretch {
                 let perturbed = &mut self.perturbed[h * len + first..][..rows.len()];
                 let rows = h * PAGE + rows.start..h * PAGE + rows.end;
                 let lower = if refines {
-                    let bounds = &self.refined_bounds[rows];
-                    perturb(scorer, bounds.iter().map(|b| b.refined.upper), exponentials, perturbed);
-                    largest(bounds, |b| b.scanned.lower)
+                    let bounds = RefinedRows::of(&mut self.refined_bounds);
+                    perturb(scorer, bounds.upper[rows.clone()].iter().copied(), exponentials, perturbed);
+                    largest(&bounds.scanned_lower[rows], |&b| b)
                 } else {
                     let bounds = &self.page_bounds[rows];
                     perturb(scorer, bounds.iter().map(|b| b.upper), exponentials, perturbed);
@@ -549,8 +562,8 @@ impl HeadKeys for CacheHead<'_> {
         self.scan.lower_max(self.g)
     }
 
-    fn perturbed_uppers(&self, out: &mut [f32]) {
-        out.copy_from_slice(self.scan.perturbed_uppers(self.g));
+    fn perturbed_uppers(&self) -> &[f32] {
+        self.scan.perturbed_uppers(self.g)
     }
 
     fn refines(&self) -> bool {

@@ -81,9 +81,9 @@ pub trait HeadKeys {
     /// A deterministic lower bound on some pool key's score, as high as the
     /// bounds give (`−∞` when no key is bounded).
     fn pool_lower_max(&self) -> f64;
-    /// Deterministic `out[i] ≥ s_i + E_i` for every pool key (`+∞` where
+    /// Deterministic `p_i ≥ s_i + E_i` for every pool key (`+∞` where
     /// nothing bounds the score).
-    fn perturbed_uppers(&self, out: &mut [f32]);
+    fn perturbed_uppers(&self) -> &[f32];
     /// Whether [`Self::refine`] can tighten any key's bound.
     fn refines(&self) -> bool;
     /// Deterministic upper bounds on `s_i + E_i` of the pool keys
@@ -171,8 +171,6 @@ pub struct HeadAttention {
     sums: LevelSums,
     /// The exact set's scores.
     exact_scores: Vec<f64>,
-    /// Per pool key: `p_i ≥ s_i + E_i` from the scan.
-    bounds: Vec<f32>,
     buckets: Buckets,
     /// Per level: the sampled light keys (row in `light_rows`, weight) that
     /// become heavy there.
@@ -200,7 +198,6 @@ impl HeadAttention {
             log_term: (2.0 / delta).ln(),
             sums: LevelSums::default(),
             exact_scores: Vec::new(),
-            bounds: Vec::new(),
             buckets: Buckets::default(),
             promotions: vec![Vec::new(); params.grid.levels()],
             light_rows: Vec::new(),
@@ -243,9 +240,7 @@ impl HeadAttention {
         self.add_exact_set(keys, c);
         self.promotions.iter_mut().for_each(Vec::clear);
         self.light_rows.clear();
-        self.bounds.resize(pool, 0.0);
-        keys.perturbed_uppers(&mut self.bounds);
-        self.buckets.sort(&self.bounds, c, &grid);
+        self.buckets.sort(keys.perturbed_uppers(), c, &grid);
         let last = match stop {
             Stop::Certified => grid.last,
             Stop::AtLevel(j) => j.min(grid.last),
@@ -283,7 +278,7 @@ impl HeadAttention {
         for &(row, w) in &self.promotions[j] {
             self.sums.promote(w, &self.light_rows[row as usize * dim..][..dim]);
         }
-        self.buckets.take(j, &self.bounds, &mut self.candidates);
+        self.buckets.take(j, keys.perturbed_uppers(), &mut self.candidates);
         if self.candidates.is_empty() {
             return;
         }
@@ -581,8 +576,8 @@ mod tests {
         fn pool_lower_max(&self) -> f64 {
             self.lower_max
         }
-        fn perturbed_uppers(&self, out: &mut [f32]) {
-            out.copy_from_slice(&self.uppers);
+        fn perturbed_uppers(&self) -> &[f32] {
+            &self.uppers
         }
         fn refines(&self) -> bool {
             true
