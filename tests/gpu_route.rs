@@ -17,7 +17,7 @@ use sift::gpu::prefill::GpuPrefill;
 use sift::gpu::report::PrefillReport;
 use sift::gpu::route::calibration::CalibrationFile;
 use sift::gpu::route::candidates::HeadLines;
-use sift::gpu::route::index::{BlockSparse, VerticalSlash};
+use sift::gpu::route::index::{BlockSparse, Union, VerticalSlash};
 use sift::gpu::route::probe::{ProbeKernels, ProbeRows, COLUMNS, NO_BLOCK, TOP_BLOCKS};
 use sift::gpu::route::profile::{Entry, LatencyProfile, ProbeEntry};
 use sift::gpu::route::{Candidate, Mask, RouteSettings, SparseIndex};
@@ -120,6 +120,13 @@ fn each_pattern_kernel_equals_attention_over_its_mask() {
     let ashape = Mask::AShape { sink_blocks: 1, local_blocks: 2 };
     let vslash = Mask::VerticalSlash(VerticalSlash::new(vec![3, 70, 71, 150, 260, 333], vec![0, 200]));
     let blocks = Mask::BlockSparse(BlockSparse::new(&[vec![], vec![], vec![1], vec![1], vec![2], vec![3, 1]]));
+    // Query blocks 3 and 5 take blocks 2 and 4 beyond the main diagonal,
+    // which hold columns 150 and 260 (no longer single there).
+    let union = Mask::Union(Union {
+        slash: VerticalSlash::new(vec![3, 70, 71, 150, 260, 333], vec![0]),
+        ranked: BlockSparse::new(&[vec![], vec![], vec![1], vec![2, 1], vec![2], vec![4, 1]]),
+        extra: 1,
+    });
     let cases = [
         Case { n: 300, pos0: 0, n_head: 4, n_kv_head: 2, d: 64 },
         Case { n: 200, pos0: 0, n_head: 4, n_kv_head: 1, d: 256 },
@@ -127,7 +134,7 @@ fn each_pattern_kernel_equals_attention_over_its_mask() {
     ];
     for path in common::kernel_paths(ctx, "each_pattern_kernel_equals_attention_over_its_mask") {
         for c in &cases {
-            for mask in [&ashape, &vslash, &blocks] {
+            for mask in [&ashape, &vslash, &blocks, &union] {
                 let masks = vec![mask; c.n_kv_head as usize];
                 check(ctx, path, c, &masks, &mut noise);
             }
@@ -135,7 +142,7 @@ fn each_pattern_kernel_equals_attention_over_its_mask() {
         // KV heads with different patterns share one dispatch; the dense
         // ones (not adjacent) go to the dense kernel.
         let c = Case { n: 300, pos0: 0, n_head: 10, n_kv_head: 5, d: 64 };
-        check(ctx, path, &c, &[&vslash, &Mask::Dense, &ashape, &Mask::Dense, &blocks], &mut noise);
+        check(ctx, path, &c, &[&vslash, &Mask::Dense, &union, &Mask::Dense, &blocks], &mut noise);
     }
 }
 

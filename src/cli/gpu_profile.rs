@@ -359,13 +359,15 @@ fn compare(
         measured.dense(ctx, &dense)?;
         measured.routed(ctx, &routed, &dense)?;
         let (mut dense_samples, mut routed_samples, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+        let mut unrouted = Vec::new();
         let mut reports = Vec::new();
         for _ in 0..runs {
             let dense_ms = measured.dense(ctx, &dense)?;
             *routed.report.lock().unwrap_or_else(|p| p.into_inner()) = Default::default();
-            measured.routed(ctx, &routed, &dense)?;
+            let unrouted_ms = measured.routed(ctx, &routed, &dense)?;
             let report = std::mem::take(&mut *routed.report.lock().unwrap_or_else(|p| p.into_inner()));
-            let routed_ms = report.timing.routed_wall_ms;
+            let routed_ms = report.timing.routed_wall_ms + unrouted_ms;
+            unrouted.push(unrouted_ms);
             dense_samples.push(dense_ms);
             routed_samples.push(routed_ms);
             ratios.push(dense_ms / routed_ms);
@@ -390,7 +392,7 @@ fn compare(
              {runs} alternating runs after a warm-up of each: dense {:.2} ms (GPU timestamps), routed {:.2} ms \
              (wall clock, readbacks included), medians; dense/routed {:.2}x (median of the runs' ratios); \
              the median run's routed time: probe {:.2} + index {:.2} GPU, routing {:.2} + lists {:.2} CPU, \
-             kernel {:.2} GPU = dense {:.2} + sparse {:.2}",
+             kernel {:.2} GPU = dense {:.2} + sparse {:.2}; chunks not routed (wall clock) {:.2}",
             inputs.describe(false),
             median(&dense_samples),
             median(&routed_samples),
@@ -402,6 +404,7 @@ fn compare(
             timing.kernel_ms,
             timing.dense_kernel_ms,
             timing.sparse_kernel_ms,
+            unrouted[order[runs / 2]],
         );
         let list = |v: &[f64]| v.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join(", ");
         println!(
@@ -491,25 +494,46 @@ impl<'s> GpuInputs<'s> {
     fn dense(&self, ctx: &GpuContext, dense: &Attention) -> anyhow::Result<f64> {
         let mut ms = 0.0;
         for (shape, q) in self.shapes.iter().zip(&self.queries) {
-            let bind = dense.bind(&ctx.device, q, &self.keys, &self.values, &self.out);
-            let sizes = [q.size(), self.keys.size(), self.values.size(), self.out.size()];
-            let mut batch = ctx.batch();
-            batch.mark();
-            batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes))?;
-            batch.mark();
             let started = Instant::now();
-            let marks = batch.submit_timed()?;
+            let marks = self.dense_chunk(ctx, dense, shape, q)?;
             ms += marks.and_then(|m| m.first().copied()).unwrap_or_else(|| started.elapsed().as_secs_f64() * 1e3);
         }
         Ok(ms)
     }
 
-    /// `routed` over every chunk, into its report.
-    fn routed(&self, ctx: &GpuContext, routed: &RoutedAttention, dense: &Attention) -> anyhow::Result<()> {
+    /// The dense kernel over one chunk; its GPU timestamps.
+    fn dense_chunk(
+        &self,
+        ctx: &GpuContext,
+        dense: &Attention,
+        shape: &AttentionShape,
+        q: &wgpu::Buffer,
+    ) -> anyhow::Result<Option<Vec<f64>>> {
+        let bind = dense.bind(&ctx.device, q, &self.keys, &self.values, &self.out);
+        let sizes = [q.size(), self.keys.size(), self.values.size(), self.out.size()];
+        let mut batch = ctx.batch();
+        batch.mark();
+        batch.record("attention", |pass| dense.dispatch(pass, &bind, shape, sizes))?;
+        batch.mark();
+        Ok(batch.submit_timed()?)
+    }
+
+    /// `routed` over every chunk, into its report, as a prefill calls it: a
+    /// chunk that routing would not pay for (its dense attention costs less
+    /// than the probe, as a prompt's last 64 queries at 128K) runs dense.
+    /// Returns those chunks' wall clock, ms.
+    fn routed(&self, ctx: &GpuContext, routed: &RoutedAttention, dense: &Attention) -> anyhow::Result<f64> {
+        let mut dense_ms = 0.0;
         for (shape, q) in self.shapes.iter().zip(&self.queries) {
-            routed.attend(ctx, 0, shape, [q, &self.keys, &self.values, &self.out], dense, self.d)?;
+            if routed.takes(shape) {
+                routed.attend(ctx, 0, shape, [q, &self.keys, &self.values, &self.out], dense, self.d)?;
+            } else {
+                let started = Instant::now();
+                self.dense_chunk(ctx, dense, shape, q)?;
+                dense_ms += started.elapsed().as_secs_f64() * 1e3;
+            }
         }
-        Ok(())
+        Ok(dense_ms)
     }
 
     fn recycle(self, ctx: &GpuContext) {

@@ -519,8 +519,10 @@ impl Batch<'_> {
     }
 
     /// Submits what was recorded since the last submission and starts a new
-    /// encoder; the arena starts again (queue writes are ordered with submissions).
-    fn flush(&mut self) {
+    /// encoder, without waiting: the GPU starts on it while more is recorded.
+    /// The arena starts again (queue writes are ordered with submissions), and
+    /// the marks go on counting, so [`Self::submit_timed`] times across it.
+    pub fn flush(&mut self) {
         let encoder = std::mem::replace(&mut self.encoder, self.ctx.device.create_command_encoder(&Default::default()));
         self.ctx.queue.write_buffer(&self.arena, 0, &self.params);
         self.params.clear();

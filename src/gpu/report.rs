@@ -63,7 +63,8 @@ pub struct Timing {
     pub probe_kernels_ms: std::collections::BTreeMap<String, f64>,
     /// The router, on the CPU: every candidate's mask and estimate, and the plan.
     pub routing_ms: f64,
-    /// The chosen masks spelt out into key lists, and their upload.
+    /// The chosen masks spelt out into key lists, and their upload (CPU; the
+    /// spelling out and the upload while the GPU computes the dense heads).
     pub lists_ms: f64,
     /// The attention kernels themselves: the dense kernel over the heads
     /// that chose dense, then the sparse kernel over the others.

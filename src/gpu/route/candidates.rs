@@ -4,7 +4,8 @@
 //! A candidate is a pattern and a budget in the pattern's own units:
 //! A-shape (sink blocks, local blocks), vertical-slash (columns, diagonals),
 //! block-sparse (key blocks per query block besides the sink block and the
-//! diagonal). Its mask for one KV head comes from the index builders' scores
+//! diagonal), union (pooled blocks beyond vertical-slash's, diagonals; with
+//! the 1,000 best columns). Its mask for one KV head comes from the index builders' scores
 //! (the top columns and diagonals of the recent queries, ranked once per head
 //! in [`HeadLines`]; the top pooled blocks per query block, ranked on the GPU),
 //! as a prefix of those rankings, so making it costs little; its mass estimate m̂ is the
@@ -20,7 +21,7 @@
 
 use std::sync::Arc;
 
-use super::index::{BlockSparse, ListedBlocks, Mask, VerticalSlash};
+use super::index::{BlockSparse, ListedBlocks, Mask, Union, VerticalSlash};
 use super::probe::{Probe, ProbeRows, Subset, COLUMNS, TOP_BLOCKS};
 use crate::gpu::attention::BLOCK;
 
@@ -35,10 +36,11 @@ pub enum Pattern {
     VerticalSlash,
     #[serde(rename = "blocksparse")]
     BlockSparse,
+    Union,
 }
 
 impl Pattern {
-    pub const SPARSE: [Pattern; 3] = [Pattern::AShape, Pattern::VerticalSlash, Pattern::BlockSparse];
+    pub const SPARSE: [Pattern; 4] = [Pattern::AShape, Pattern::VerticalSlash, Pattern::BlockSparse, Pattern::Union];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -46,21 +48,34 @@ impl Pattern {
             Pattern::AShape => "ashape",
             Pattern::VerticalSlash => "vslash",
             Pattern::BlockSparse => "blocksparse",
+            Pattern::Union => "union",
         }
+    }
+
+    /// Whether the pattern's masks take the GPU's ranked block lists (read
+    /// back for every query block once chosen).
+    pub fn reads_lists(self) -> bool {
+        matches!(self, Pattern::BlockSparse | Pattern::Union)
     }
 
     /// The budget grid: A-shape (1 sink block, 4 to 64 local blocks: MInference's
     /// default is 128 + 3968 keys, 64 blocks), vertical-slash (columns,
     /// diagonals) up to MInference's most common (1000, 6096), block-sparse
     /// 4 to 800 blocks (MInference: 100; the wider ones for diffuse heads at
-    /// long lengths, 800 of 2,048 key blocks at 128K).
+    /// long lengths, 800 of 2,048 key blocks at 128K), union (blocks beyond
+    /// the diagonals' 100 to 400, diagonals 256 to 2048; always 1,000 columns).
     pub fn budgets(self) -> &'static [[u32; 2]] {
         match self {
             Pattern::Dense => &[[0, 0]],
             Pattern::AShape => &[[1, 4], [1, 8], [1, 16], [1, 32], [1, 64]],
-            Pattern::VerticalSlash => &[[16, 64], [64, 256], [256, 1024], [1000, 2048], [1000, 6096]],
+            Pattern::VerticalSlash => {
+                &[[16, 64], [64, 256], [256, 1024], [1000, 2048], [1000, 3072], [1000, 4096], [1000, 6096]]
+            }
             Pattern::BlockSparse => {
                 &[[4, 0], [8, 0], [16, 0], [32, 0], [64, 0], [100, 0], [200, 0], [400, 0], [800, 0]]
+            }
+            Pattern::Union => {
+                &[[100, 256], [200, 256], [400, 256], [100, 1024], [200, 1024], [400, 1024], [200, 2048], [400, 2048]]
             }
         }
     }
@@ -68,6 +83,7 @@ impl Pattern {
     /// The budget's numbers that mean something for this pattern.
     pub fn budget_units(self, budget: [u32; 2]) -> Vec<usize> {
         match self {
+            Pattern::Union => vec![budget[0] as usize, COLUMNS, budget[1] as usize],
             Pattern::Dense => vec![],
             Pattern::BlockSparse => vec![budget[0] as usize],
             _ => budget.iter().map(|&b| b as usize).collect(),
@@ -79,8 +95,8 @@ impl std::str::FromStr for Pattern {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, String> {
-        [Pattern::Dense, Pattern::AShape, Pattern::VerticalSlash, Pattern::BlockSparse]
-            .into_iter()
+        std::iter::once(Pattern::Dense)
+            .chain(Pattern::SPARSE)
             .find(|p| p.name() == s)
             .ok_or_else(|| format!("unknown pattern '{s}'"))
     }
@@ -112,21 +128,30 @@ impl Candidate {
     /// lists only the query blocks of the probe's rows ([`Self::full_mask`]
     /// lists them all).
     pub fn mask(&self, probe: &Probe, lines: &HeadLines, h: usize) -> Mask {
+        let offset = h * probe.probe_blocks.len() * TOP_BLOCKS;
+        self.with_lists(lines, probe.top_blocks.clone(), offset, ListedBlocks::Only(probe.probe_blocks.clone()))
+    }
+
+    /// The mask, whose ranked block lists (where it has any) are those of the
+    /// query blocks `of` in `lists[offset..]`.
+    fn with_lists(&self, lines: &HeadLines, lists: Arc<[u32]>, offset: usize, of: ListedBlocks) -> Mask {
         let [a, b] = self.budget.map(|x| x as usize);
+        let slash = |columns: usize, diagonals: usize| {
+            VerticalSlash::new(
+                lines.columns[..columns.min(lines.columns.len())].to_vec(),
+                lines.diagonals[..diagonals.min(lines.diagonals.len())].to_vec(),
+            )
+        };
         match self.pattern {
             Pattern::Dense => Mask::Dense,
             Pattern::AShape => Mask::AShape { sink_blocks: self.budget[0], local_blocks: self.budget[1] },
-            Pattern::VerticalSlash => Mask::VerticalSlash(VerticalSlash::new(
-                lines.columns[..a.min(lines.columns.len())].to_vec(),
-                lines.diagonals[..b.min(lines.diagonals.len())].to_vec(),
-            )),
-            Pattern::BlockSparse => Mask::BlockSparse(BlockSparse::ranked(
-                probe.top_blocks.clone(),
-                h * probe.probe_blocks.len() * TOP_BLOCKS,
-                TOP_BLOCKS,
-                ListedBlocks::Only(probe.probe_blocks.clone()),
-                a,
-            )),
+            Pattern::VerticalSlash => Mask::VerticalSlash(slash(a, b)),
+            Pattern::BlockSparse => Mask::BlockSparse(BlockSparse::ranked(lists, offset, TOP_BLOCKS, of, a)),
+            Pattern::Union => Mask::Union(Union {
+                slash: slash(COLUMNS, b),
+                ranked: BlockSparse::ranked(lists, offset, TOP_BLOCKS, of, TOP_BLOCKS),
+                extra: a,
+            }),
         }
     }
 
@@ -140,15 +165,9 @@ impl Candidate {
         h: usize,
         head_lists: impl FnOnce() -> Result<Arc<[u32]>, E>,
     ) -> Result<Mask, E> {
-        Ok(match self.pattern {
-            Pattern::BlockSparse => Mask::BlockSparse(BlockSparse::ranked(
-                head_lists()?,
-                0,
-                TOP_BLOCKS,
-                ListedBlocks::From(probe.first_query_block as u32),
-                self.budget[0] as usize,
-            )),
-            _ => self.mask(probe, lines, h),
+        Ok(match self.pattern.reads_lists() {
+            true => self.with_lists(lines, head_lists()?, 0, ListedBlocks::From(probe.first_query_block as u32)),
+            false => self.mask(probe, lines, h),
         })
     }
 }
@@ -222,25 +241,29 @@ pub fn estimate(mask: &Mask, probe: &Probe, rows: &ProbeRows, h: usize, lines: &
     let mut sums = [(0.0f64, 0usize); 3];
     let mut last_block = u32::MAX;
     let mut worst_recent = 1.0f64;
+    // The mask's single columns are a prefix of the ranked ones.
+    let columns = &lines.columns[..mask.columns().len()];
+    debug_assert!(columns.len() <= COLUMNS);
+    // The key blocks the row's query block lists whole, as a bit set.
+    let mut listed: Vec<u64> = Vec::new();
     for (r, (&t, &subset)) in rows.positions.iter().zip(&rows.subsets).enumerate() {
         if t / BLOCK != last_block {
             last_block = t / BLOCK;
             mask.blocks(last_block, &mut blocks);
+            listed.clear();
+            listed.resize(last_block as usize / 64 + 1, 0);
+            for &kb in &blocks {
+                listed[kb as usize / 64] |= 1 << (kb % 64);
+            }
         }
         let mass = probe.mass(h, r);
         let in_blocks: f64 = blocks.iter().map(|&kb| mass[kb as usize] as f64).sum();
         // The single columns: those the row sees outside its listed blocks.
-        let in_columns: f64 = match mask {
-            Mask::VerticalSlash(v) => {
-                debug_assert!(v.columns.len() <= COLUMNS.min(lines.columns.len()));
-                lines.columns[..v.columns.len()]
-                    .iter()
-                    .zip(probe.column_mass(h, r))
-                    .filter(|&(&j, _)| j <= t && !v.covers(t / BLOCK, j / BLOCK))
-                    .map(|(_, &p)| p as f64)
-                    .sum()
-            }
-            _ => 0.0,
+        let single =
+            |&(&j, _): &(&u32, &f32)| j <= t && listed[(j / BLOCK) as usize / 64] >> ((j / BLOCK) % 64) & 1 == 0;
+        let in_columns: f64 = match columns.is_empty() {
+            true => 0.0,
+            false => columns.iter().zip(probe.column_mass(h, r)).filter(single).map(|(_, &p)| p as f64).sum(),
         };
         let at = match subset {
             Subset::Recent => 0,
@@ -271,6 +294,7 @@ pub fn estimate(mask: &Mask, probe: &Probe, rows: &ProbeRows, h: usize, lines: &
 
 #[cfg(test)]
 mod tests {
+    use super::super::probe::NO_BLOCK;
     use super::*;
 
     #[test]
@@ -374,5 +398,38 @@ mod tests {
         let e = estimate(&mask, &probe, &rows, 0, &lines);
         assert!((e.worst_recent - 1.0).abs() < 1e-6, "{e:?}");
         assert!((e.mass - 1.0).abs() < 1e-6, "{e:?}");
+    }
+
+    #[test]
+    fn a_union_counts_its_columns_outside_every_block_it_lists() {
+        // As above, with the probe's block list of query block 2 ranking key
+        // block 1: the union [1 block, no diagonal] lists it whole, so
+        // columns 100 and 70 count once, in it.
+        let mut probe = two_rows_over_three_blocks(vec![0.3, 0.2, 0.5, 0.1, 0.6, 0.3]);
+        probe.column_mass = vec![0.0; 2 * COLUMNS];
+        probe.column_mass[..4].copy_from_slice(&[0.05, 0.04, 0.3, 0.2]);
+        probe.column_mass[COLUMNS..COLUMNS + 4].copy_from_slice(&[0.25, 0.01, 0.0, 0.1]);
+        probe.probe_blocks = vec![2].into();
+        let mut lists = vec![NO_BLOCK; TOP_BLOCKS];
+        lists[0] = 1;
+        probe.top_blocks = lists.into();
+        let lines = HeadLines { columns: vec![100, 70, 150, 10], diagonals: vec![] };
+        let rows = ProbeRows {
+            positions: vec![191, 140],
+            subsets: vec![Subset::Recent, Subset::Uniform],
+            recent: 1,
+            chunk: 2,
+        };
+        let e = |budget| {
+            let mask = Candidate { pattern: Pattern::Union, budget }.mask(&probe, &lines, 0);
+            estimate(&mask, &probe, &rows, 0, &lines)
+        };
+        // Every block listed: all of each row's mass, its columns not added again.
+        let all = e([1, 0]);
+        assert!((all.worst_recent - 1.0).abs() < 1e-6 && (all.mass - 1.0).abs() < 1e-6, "{all:?}");
+        // No block beyond the sink and the diagonal: vertical-slash [4, 0]'s estimate.
+        let none = e([0, 0]);
+        assert!((none.worst_recent - 0.89).abs() < 1e-6, "{none:?}");
+        assert!((none.mass - (0.89 + 0.66) / 2.0).abs() < 1e-6, "{none:?}");
     }
 }

@@ -10,7 +10,9 @@
 //! the block-granular forms MInference's kernels compute: a diagonal offset
 //! `o` selected for a query block covers the key blocks that the keys
 //! `t − o` of its 64 queries fall in, which are the same distances
-//! ⌊o/64⌋ and ⌈o/64⌉ behind it for every query block.
+//! ⌊o/64⌋ and ⌈o/64⌉ behind it for every query block. A union is a
+//! vertical-slash mask with, per query block, the best pooled blocks that its
+//! diagonals leave out (block-sparse's ranked lists).
 //!
 //! A mask is a description, cheap to make: the router makes one per
 //! candidate and reads only the query blocks its probe rows are in; the key
@@ -43,6 +45,19 @@ pub enum Mask {
     },
     VerticalSlash(VerticalSlash),
     BlockSparse(BlockSparse),
+    Union(Union),
+}
+
+/// A vertical-slash mask and, per query block, the first `extra` blocks of a
+/// block-sparse mask's ranked list that the vertical-slash mask does not
+/// hold whole: the pooled scores' blocks for the mean row, the recent rows'
+/// columns and diagonals for what single rows attend to.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Union {
+    pub slash: VerticalSlash,
+    /// Read to its lists' end (its budget is their length).
+    pub ranked: BlockSparse,
+    pub extra: usize,
 }
 
 /// Selected key positions (columns) for every query at or after them, and
@@ -82,6 +97,26 @@ impl VerticalSlash {
     pub fn covers(&self, b: u32, kb: u32) -> bool {
         let d = (b - kb) as usize;
         kb == 0 || d == 0 || self.reach.get(d / 64).is_some_and(|w| w >> (d % 64) & 1 == 1)
+    }
+
+    /// The key blocks query block `b` lists whole, ascending, into `blocks`.
+    fn blocks(&self, b: u32, blocks: &mut Vec<u32>) {
+        // Ascending distances behind b are descending blocks.
+        let behind = self.distances.partition_point(|&d| d <= b);
+        blocks.push(0);
+        blocks.extend(self.distances[..behind].iter().rev().map(|&d| b - d));
+        blocks.push(b);
+        blocks.dedup();
+    }
+
+    /// How many key blocks query block `b` lists whole.
+    fn block_count(&self, b: u32) -> u64 {
+        let behind = self.distances.partition_point(|&d| d <= b) as u64;
+        let has = |d: u32| self.distances.binary_search(&d).is_ok();
+        match b {
+            0 => 1,
+            _ => behind + u64::from(!has(0)) + u64::from(!has(b)),
+        }
     }
 }
 
@@ -147,9 +182,17 @@ impl Mask {
     pub fn keys(&self, b: u32, blocks: &mut Vec<u32>, columns: &mut Vec<u32>) {
         self.blocks(b, blocks);
         columns.clear();
-        if let Mask::VerticalSlash(v) = self {
-            let last = (b + 1) * BLOCK;
-            columns.extend(v.columns.iter().copied().take_while(|&j| j < last).filter(|&j| !v.covers(b, j / BLOCK)));
+        let last = (b + 1) * BLOCK;
+        let listed = self.columns().iter().copied().take_while(|&j| j < last);
+        columns.extend(listed.filter(|&j| blocks.binary_search(&(j / BLOCK)).is_err()));
+    }
+
+    /// The single columns of the mask (those a query block lists whole
+    /// included), ascending.
+    pub fn columns(&self) -> &[u32] {
+        match self {
+            Mask::VerticalSlash(v) | Mask::Union(Union { slash: v, .. }) => &v.columns,
+            _ => &[],
         }
     }
 
@@ -163,18 +206,18 @@ impl Mask {
                 blocks.extend(0..(*sink_blocks).min(local));
                 blocks.extend(local..=b);
             }
-            Mask::VerticalSlash(v) => {
-                // Ascending distances behind b are descending blocks.
-                let behind = v.distances.partition_point(|&d| d <= b);
-                blocks.push(0);
-                blocks.extend(v.distances[..behind].iter().rev().map(|&d| b - d));
-                blocks.push(b);
-                blocks.dedup();
-            }
+            Mask::VerticalSlash(v) => v.blocks(b, blocks),
             Mask::BlockSparse(s) => {
                 blocks.extend(s.selected(b));
                 blocks.push(0);
                 blocks.push(b);
+                blocks.sort_unstable();
+                blocks.dedup();
+            }
+            Mask::Union(u) => {
+                u.slash.blocks(b, blocks);
+                let extra = u.ranked.selected(b).filter(|&kb| !u.slash.covers(b, kb)).take(u.extra);
+                blocks.extend(extra);
                 blocks.sort_unstable();
                 blocks.dedup();
             }
@@ -183,8 +226,9 @@ impl Mask {
 
     /// Keys the kernel visits for the query blocks `query_blocks`, counted in
     /// whole blocks and single positions, without listing them: exact but for
-    /// vertical-slash's columns, which count whether or not a listed block
-    /// holds them, and block-sparse lists cut short by their ranking.
+    /// the columns, which count whether or not a listed block holds them, and
+    /// ranked block lists cut short by their ranking (a union's list may
+    /// also run out of blocks its diagonals leave out before `extra`).
     pub fn visited_keys(&self, query_blocks: std::ops::Range<u32>) -> f64 {
         let blocks = |b: u32| -> u64 {
             match self {
@@ -193,21 +237,15 @@ impl Mask {
                     let local = (b + 1).saturating_sub(*local_blocks);
                     ((*sink_blocks).min(local) + b + 1 - local) as u64
                 }
-                Mask::VerticalSlash(v) => {
-                    let behind = v.distances.partition_point(|&d| d <= b) as u64;
-                    let has = |d: u32| v.distances.binary_search(&d).is_ok();
-                    match b {
-                        0 => 1,
-                        _ => behind + u64::from(!has(0)) + u64::from(!has(b)),
-                    }
-                }
+                Mask::VerticalSlash(v) => v.block_count(b),
                 Mask::BlockSparse(s) => (s.budget as u64).min(b.saturating_sub(1) as u64) + u64::from(b > 0) + 1,
+                Mask::Union(u) => {
+                    let whole = u.slash.block_count(b);
+                    whole + (u.extra as u64).min(b as u64 + 1 - whole)
+                }
             }
         };
-        let columns = |b: u32| match self {
-            Mask::VerticalSlash(v) => v.columns.partition_point(|&j| j < (b + 1) * BLOCK) as u64,
-            _ => 0,
-        };
+        let columns = |b: u32| self.columns().partition_point(|&j| j < (b + 1) * BLOCK) as u64;
         query_blocks.map(|b| (blocks(b) * B as u64 + columns(b)) as f64).sum()
     }
 
@@ -218,6 +256,7 @@ impl Mask {
             Mask::AShape { .. } => "ashape",
             Mask::VerticalSlash(_) => "vslash",
             Mask::BlockSparse(_) => "blocksparse",
+            Mask::Union(_) => "union",
         }
     }
 }
@@ -426,6 +465,25 @@ mod tests {
         assert_eq!(keys(&mask, 4).0, vec![0, 1, 2, 4]);
         assert_eq!(keys(&mask, 7).0, vec![0, 3, 7]);
         assert_eq!(keys(&mask, 5).0, vec![0, 5]);
+    }
+
+    #[test]
+    fn a_union_adds_the_first_ranked_blocks_its_diagonals_leave_out() {
+        // Diagonal 64 covers distance 1; query block 6 ranks blocks 5, 3, 2, 1.
+        let slash = VerticalSlash::new(vec![70, 140, 200, 260, 400], vec![64]);
+        let lists: Vec<Vec<u32>> = (0..7).map(|b| if b == 6 { vec![5, 3, 2, 1] } else { vec![] }).collect();
+        let union = |extra| Mask::Union(Union { slash: slash.clone(), ranked: BlockSparse::new(&lists), extra });
+        // Block 5 is the diagonal's; 3 and 2 come from the list, so columns
+        // 140 and 200 (blocks 2 and 3) are no longer single, 70 and 260 are
+        // (400 is in the diagonal block).
+        assert_eq!(keys(&union(2), 6), (vec![0, 2, 3, 5, 6], vec![70, 260]));
+        assert_eq!(keys(&union(1), 6), (vec![0, 3, 5, 6], vec![70, 140, 260]));
+        // Past the list's end nothing more is taken; the count assumes room.
+        assert_eq!(keys(&union(9), 6), (vec![0, 1, 2, 3, 5, 6], vec![260]));
+        assert_eq!(union(2).visited_keys(6..7), (5 * B + 5) as f64);
+        assert_eq!(union(9).visited_keys(6..7), (7 * B + 5) as f64);
+        // A query block without a list is vertical-slash's.
+        assert_eq!(keys(&union(2), 4), keys(&Mask::VerticalSlash(slash.clone()), 4));
     }
 
     #[test]

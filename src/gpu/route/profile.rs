@@ -4,7 +4,7 @@
 //!
 //! `sift gpu-profile` measures it and writes it to a file named after the
 //! adapter, the driver, the kernel path, the head shape and a digest of the
-//! attention kernels' and the probe's source (under
+//! attention kernels' and the probe's source and the candidate library (under
 //! `$SIFT_CACHE_DIR`, else `$XDG_CACHE_HOME/sift`, else `~/.cache/sift`);
 //! a routed prefill reads it, and refuses to route without one. Each entry is
 //! the median GPU time of one dispatch over every KV head of the shape,
@@ -27,8 +27,8 @@ use half::f16;
 use serde::{Deserialize, Serialize};
 
 use super::candidates::{Candidate, HeadLines, Pattern};
-use super::index::{BlockSparse, Mask, SparseIndex, VerticalSlash};
-use super::probe::{ProbeKernels, ProbeRows};
+use super::index::{BlockSparse, Mask, SparseIndex, Union, VerticalSlash};
+use super::probe::{ProbeKernels, ProbeRows, COLUMNS};
 use crate::gpu::attention::{Attention, AttentionShape, BLOCK};
 use crate::gpu::{GpuContext, GpuError, KernelPath};
 
@@ -78,9 +78,10 @@ pub struct ProbeEntry {
 impl LatencyProfile {
     /// Where the profile of this adapter and head shape lives. The name holds
     /// a digest of the attention kernels' and the probe's WGSL as this build
-    /// compiles them, so a build whose kernels changed (and with them the time
-    /// per key the router prices each pattern at, or the probe's) measures its
-    /// own profile instead of reading an older build's.
+    /// compiles them and of the candidate library, so a build whose kernels
+    /// changed (and with them the time per key the router prices each pattern
+    /// at, or the probe's) or whose library did measures its own profile
+    /// instead of reading an older build's.
     pub fn file(ctx: &GpuContext, path: KernelPath, head_dim: u32, n_head: u32, n_kv_head: u32) -> PathBuf {
         let name = format!(
             "gpu-profile-{}-{}-{}-{}-d{head_dim}-h{n_head}x{n_kv_head}-k{:016x}.json",
@@ -277,14 +278,18 @@ impl LatencyProfile {
 }
 
 /// FNV-1a over the dense and the sparse attention kernel's source and header
-/// on `path` at `head_dim`, and the probe's shaders: stable across builds and
-/// toolchains, changed by any edit of the shaders they are made of.
+/// on `path` at `head_dim`, the probe's shaders and the candidate library:
+/// stable across builds and toolchains, changed by any edit of the shaders
+/// they are made of, and by a library with other candidates (which an older
+/// profile has no times for).
 fn kernels_digest(path: KernelPath, head_dim: u32) -> u64 {
+    let library = format!("{:?}", Candidate::library());
     [false, true]
         .into_iter()
         .map(|sparse| crate::gpu::attention::shader(path, head_dim, 1, sparse))
         .flat_map(|(source, header)| header.into_bytes().into_iter().chain(source.bytes()))
         .chain(super::probe::SOURCES.iter().flat_map(|s| s.bytes()))
+        .chain(library.into_bytes())
         .fold(0xcbf2_9ce4_8422_2325, |hash, byte| (hash ^ byte as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
@@ -333,33 +338,49 @@ fn synthetic_mask(c: Candidate, n: u32) -> Mask {
     match c.pattern {
         Pattern::Dense => Mask::Dense,
         Pattern::AShape => Mask::AShape { sink_blocks: c.budget[0], local_blocks: c.budget[1] },
-        Pattern::VerticalSlash => {
-            let near = c.budget[1] / 2;
-            let mut diagonals: Vec<u32> = (0..near.min(n)).collect();
-            diagonals.extend((near..c.budget[1]).map(|_| next(n)));
-            let columns: Vec<u32> = (0..c.budget[0]).map(|_| next(n)).collect();
-            Mask::VerticalSlash(VerticalSlash::new(columns, diagonals))
-        }
+        Pattern::VerticalSlash => Mask::VerticalSlash(synthetic_slash(c.budget, n, &mut next)),
         Pattern::BlockSparse => {
-            // Distinct blocks between the sink block and the diagonal, as the
-            // GPU's selection lists them, so that the mask visits the keys it
-            // is counted for (drawn with repeats, a budget near the number
-            // of blocks would visit far fewer).
-            let blocks: Vec<Vec<u32>> = (0..n.div_ceil(BLOCK))
-                .map(|b| {
-                    let mut pool: Vec<u32> = (1..b).collect();
-                    let take = (c.budget[0] as usize).min(pool.len());
-                    for i in 0..take {
-                        let j = i + next((pool.len() - i) as u32) as usize;
-                        pool.swap(i, j);
-                    }
-                    pool.truncate(take);
-                    pool
-                })
-                .collect();
-            Mask::BlockSparse(BlockSparse::new(&blocks))
+            Mask::BlockSparse(BlockSparse::new(&distinct_blocks(n, c.budget[0] as usize, &mut next)))
         }
+        // Every block listed in a random order, so that the union takes its
+        // `extra` from them whatever the diagonals cover (the GPU's lists hold
+        // 800).
+        Pattern::Union => Mask::Union(Union {
+            slash: synthetic_slash([COLUMNS as u32, c.budget[1]], n, &mut next),
+            ranked: BlockSparse::new(&distinct_blocks(n, usize::MAX, &mut next)),
+            extra: c.budget[0] as usize,
+        }),
     }
+}
+
+/// Vertical-slash with `budget` (columns, diagonals) over `n` positions:
+/// columns spread uniformly, half of the diagonals next to the main one and
+/// half spread.
+fn synthetic_slash(budget: [u32; 2], n: u32, next: &mut impl FnMut(u32) -> u32) -> VerticalSlash {
+    let near = budget[1] / 2;
+    let mut diagonals: Vec<u32> = (0..near.min(n)).collect();
+    diagonals.extend((near..budget[1]).map(|_| next(n)));
+    let columns: Vec<u32> = (0..budget[0]).map(|_| next(n)).collect();
+    VerticalSlash::new(columns, diagonals)
+}
+
+/// Per query block of `n` positions, up to `take` distinct blocks between the
+/// sink block and the diagonal, as the GPU's selection lists them, so that a
+/// mask visits the keys it is counted for (drawn with repeats, a budget near
+/// the number of blocks would visit far fewer).
+fn distinct_blocks(n: u32, take: usize, next: &mut impl FnMut(u32) -> u32) -> Vec<Vec<u32>> {
+    (0..n.div_ceil(BLOCK))
+        .map(|b| {
+            let mut pool: Vec<u32> = (1..b).collect();
+            let take = take.min(pool.len());
+            for i in 0..take {
+                let j = i + next((pool.len() - i) as u32) as usize;
+                pool.swap(i, j);
+            }
+            pool.truncate(take);
+            pool
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -396,6 +417,24 @@ mod tests {
                 assert_eq!(blocks.len(), want, "budget {budget}, query block {b}: {blocks:?}");
                 assert_eq!(mask.visited_keys(b..b + 1), (want * BLOCK as usize) as f64);
             }
+        }
+    }
+
+    #[test]
+    fn a_synthetic_union_visits_the_keys_it_is_counted_for() {
+        let (mut blocks, mut columns) = (Vec::new(), Vec::new());
+        for budget in [[100, 256], [400, 2048]] {
+            let mask = synthetic_mask(Candidate { pattern: Pattern::Union, budget }, 600 * 64);
+            let listed: usize = (0..600)
+                .map(|b| {
+                    mask.keys(b, &mut blocks, &mut columns);
+                    blocks.len() * BLOCK as usize
+                })
+                .sum();
+            // Columns count whether or not a listed block holds them.
+            let counted = mask.visited_keys(0..600)
+                - (0..600).map(|b| mask.columns().partition_point(|&j| j < (b + 1) * BLOCK)).sum::<usize>() as f64;
+            assert_eq!(counted, listed as f64, "{budget:?}");
         }
     }
 

@@ -10,8 +10,9 @@
 //! the latency profile's times) or applies one fixed pattern at
 //! MInference's budget (`ashape`, `vslash`, `blocksparse`: the baselines, no
 //! fallback). The KV heads whose choice is dense go through the dense kernel,
-//! in one dispatch of those heads; the sparse choices of the others go into
-//! one index and one dispatch of the sparse kernel. Its times start once the
+//! in one dispatch of those heads, submitted first; the sparse choices of the
+//! others go into one index, made while the GPU computes the dense heads, and
+//! one dispatch of the sparse kernel. Its times start once the
 //! GPU has finished the work recorded before (the layer's projections, and
 //! earlier layers'), so that they count what routing itself costs. With the
 //! audit on, dense attention runs
@@ -218,21 +219,18 @@ impl RoutedAttention {
             .collect();
         let routing_ms = routing_started.elapsed().as_secs_f64() * 1e3 - measuring_ms;
 
-        // The dense choices to the dense kernel, the others to the sparse one;
-        // a block-sparse choice's lists of every query block come back first.
+        // The dense choices to the dense kernel, the others to the sparse one.
+        // A choice with ranked block lists has its lists of every query block
+        // read first (a readback waits for all submitted work), then the dense
+        // heads' dispatch is submitted, and the GPU computes them while the
+        // CPU spells out and uploads the sparse choices' lists.
         let lists_started = Instant::now();
-        for (h, c) in chosen.iter_mut().enumerate().filter(|(_, c)| c.candidate.pattern == Pattern::BlockSparse) {
+        for (h, c) in chosen.iter_mut().enumerate().filter(|(_, c)| c.candidate.pattern.reads_lists()) {
             c.mask = c.candidate.full_mask(&probe, &lines[h], h, || probe.head_lists(ctx, h))?;
         }
+        let mut lists_ms = lists_started.elapsed().as_secs_f64() * 1e3;
         let is_dense = |c: &Chosen| c.mask == Mask::Dense;
         let dense_heads = KvHeads::of((0..hk as u32).filter(|&h| is_dense(&chosen[h as usize])));
-        let sparse_masks: Vec<Option<&Mask>> = chosen.iter().map(|c| (!is_dense(c)).then_some(&c.mask)).collect();
-        let index = SparseIndex::new(&sparse_masks, kv_len);
-        let gpu_index = match sparse_masks.iter().any(Option::is_some) {
-            true => Some(index.upload(ctx)?),
-            false => None,
-        };
-        let lists_ms = lists_started.elapsed().as_secs_f64() * 1e3;
         let sizes = [q16.size(), keys.size(), values.size(), out.size()];
         let mut batch = ctx.batch();
         batch.mark();
@@ -243,6 +241,16 @@ impl RoutedAttention {
                 .map_err(kernel_error)?;
         }
         batch.mark();
+        batch.flush();
+        let lists_started = Instant::now();
+        let sparse_masks: Vec<Option<&Mask>> = chosen.iter().map(|c| (!is_dense(c)).then_some(&c.mask)).collect();
+        let index = SparseIndex::new(&sparse_masks, kv_len);
+        let gpu_index = match sparse_masks.iter().any(Option::is_some) {
+            true => Some(index.upload(ctx)?),
+            false => None,
+        };
+        lists_ms += lists_started.elapsed().as_secs_f64() * 1e3;
+        batch.mark();
         if let Some(gpu_index) = &gpu_index {
             let buffers = gpu_index.buffers();
             let bind = self.sparse.bind_sparse(&ctx.device, [q16, keys, values, out], &buffers);
@@ -251,8 +259,10 @@ impl RoutedAttention {
                 .map_err(kernel_error)?;
         }
         batch.mark();
+        // Between marks: the dense heads, the GPU waiting for the lists (if it
+        // did), the sparse heads.
         let kernel = batch.submit_timed()?.unwrap_or_default();
-        let (dense_kernel_ms, sparse_kernel_ms) = (kernel.first().copied(), kernel.get(1).copied());
+        let (dense_kernel_ms, sparse_kernel_ms) = (kernel.first().copied(), kernel.get(2).copied());
         let (dense_kernel_ms, sparse_kernel_ms) = (dense_kernel_ms.unwrap_or(0.0), sparse_kernel_ms.unwrap_or(0.0));
         let wall_ms = started.elapsed().as_secs_f64() * 1e3;
 
@@ -467,13 +477,14 @@ impl RoutedAttention {
 
 /// The budget a fixed pattern runs at: MInference's defaults (A-shape 128 +
 /// 3968 keys, vertical-slash 1000 columns and 6096 diagonals, block-sparse 100
-/// blocks).
+/// blocks); the union at 100 blocks beyond 1024 diagonals.
 pub fn fixed_budget(pattern: Pattern) -> Candidate {
     let budget = match pattern {
         Pattern::Dense => [0, 0],
         Pattern::AShape => [2, 62],
         Pattern::VerticalSlash => [1000, 6096],
         Pattern::BlockSparse => [100, 0],
+        Pattern::Union => [100, 1024],
     };
     Candidate { pattern, budget }
 }
