@@ -23,6 +23,7 @@ use sift::gpu::route::profile::{Entry, LatencyProfile, ProbeEntry};
 use sift::gpu::route::{Candidate, Mask, RouteSettings, SparseIndex};
 use sift::gpu::{GpuContext, KernelPath};
 use sift::kv::Storage;
+use sift::matmul::set_f32_activations;
 use sift::model::Model;
 
 /// The routed prefill test's fallback threshold and budget.
@@ -370,9 +371,10 @@ fn text(words: usize) -> String {
 /// increase in log-loss of the next token when it follows the dense
 /// distribution p, which is KL(p ‖ q): at most 0.05 nats, a perplexity at
 /// most 5% above dense at this position, for masks allowed to drop up to
-/// 1 − τ = 10% of a head's attention (measured: 0.021 nats, the three
-/// global heads keeping 95–97%). A mask that misses where attention goes, or
-/// a kernel that reads the wrong keys, is far outside it. The 0.5% criterion
+/// 1 − τ = 10% of a head's attention (measured on lavapipe: 0.0188 nats
+/// against the CPU's f32 prefill, 0.0185 against the GPU's dense prefill,
+/// the three global heads keeping 95–97%). A mask that misses where attention
+/// goes, or a kernel that reads the wrong keys, is far outside it. The 0.5% criterion
 /// of the issue is the perplexity test's, over 2,048 positions of a book.
 #[test]
 fn routed_prefill_of_a_short_prompt_gives_logits_close_to_dense() {
@@ -386,12 +388,26 @@ fn routed_prefill_of_a_short_prompt_gives_logits_close_to_dense() {
     let n = tokens.len();
     assert!(n == 512, "{n} tokens");
     let hp = &model.hp;
+    // Dense is the CPU's prefill with f32 activations (the GPU's arithmetic
+    // but for rounding, in a fraction of a software renderer's time); the
+    // routed side's logits leave the GPU as hidden states, and the same f32
+    // products make them logits. The switch is the process's: no other test
+    // of this binary multiplies on the CPU.
+    struct F32Activations;
+    impl Drop for F32Activations {
+        fn drop(&mut self) {
+            set_f32_activations(false);
+        }
+    }
+    set_f32_activations(true);
+    let _f32 = F32Activations;
+    let session = || Session::with_cache(&model, n + 1, 512, Storage::default());
+    let dense = session().prefill(&tokens).unwrap().to_vec();
     let logits = |prefill: &GpuPrefill| {
-        let mut session = Session::with_cache(&model, n + 1, 512, Storage::default());
+        let mut session = session();
         session.set_prefill_backend(Box::new(prefill));
         session.prefill(&tokens).unwrap().to_vec()
     };
-    let dense = logits(&GpuPrefill::new(gpu, &model).unwrap());
     let settings =
         RouteSettings { budget: ROUTED_BUDGET, tau: ROUTED_TAU, delta: 0.0, audit: true, ..RouteSettings::default() };
     let profile = proportional_profile(n as u32, hp.n_head as u32, hp.n_head_kv as u32, hp.head_dim_k as u32);
