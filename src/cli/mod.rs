@@ -169,7 +169,7 @@ pub struct GpuArgs {
     #[arg(long, env = "SIFT_GPU_MEM_BUDGET", value_name = "BYTES", value_parser = parse_bytes)]
     pub gpu_mem_budget: Option<u64>,
     /// Attention of GPU prefill on layers without a window: dense (exact); routed picks per
-    /// prompt and KV head among A-shape, vertical-slash, block-sparse and dense under
+    /// prompt and KV head among A-shape, vertical-slash, block-sparse, their union and dense under
     /// --prefill-budget (needs `sift gpu-profile` once per adapter); ashape, vslash and
     /// blocksparse apply one pattern everywhere at MInference's budgets
     #[arg(long, default_value = "dense", value_parser = ["dense", "routed", "ashape", "vslash", "blocksparse"])]
