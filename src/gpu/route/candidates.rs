@@ -244,26 +244,33 @@ pub fn estimate(mask: &Mask, probe: &Probe, rows: &ProbeRows, h: usize, lines: &
     // The mask's single columns are a prefix of the ranked ones.
     let columns = &lines.columns[..mask.columns().len()];
     debug_assert!(columns.len() <= COLUMNS);
-    // The key blocks the row's query block lists whole, as a bit set.
+    // The ranks of the columns the rows of a query block see outside its
+    // listed blocks: those before the block (a mask lists its query block
+    // whole, so the causal cut inside it drops nothing more).
+    let mut single: Vec<usize> = Vec::new();
     let mut listed: Vec<u64> = Vec::new();
     for (r, (&t, &subset)) in rows.positions.iter().zip(&rows.subsets).enumerate() {
         if t / BLOCK != last_block {
             last_block = t / BLOCK;
             mask.blocks(last_block, &mut blocks);
+            debug_assert!(columns.is_empty() || blocks.last() == Some(&last_block));
             listed.clear();
             listed.resize(last_block as usize / 64 + 1, 0);
             for &kb in &blocks {
                 listed[kb as usize / 64] |= 1 << (kb % 64);
             }
+            let outside = |kb: u32| kb < last_block && listed[kb as usize / 64] >> (kb % 64) & 1 == 0;
+            single.clear();
+            single.extend(columns.iter().enumerate().filter(|&(_, &j)| outside(j / BLOCK)).map(|(i, _)| i));
         }
         let mass = probe.mass(h, r);
         let in_blocks: f64 = blocks.iter().map(|&kb| mass[kb as usize] as f64).sum();
-        // The single columns: those the row sees outside its listed blocks.
-        let single =
-            |&(&j, _): &(&u32, &f32)| j <= t && listed[(j / BLOCK) as usize / 64] >> ((j / BLOCK) % 64) & 1 == 0;
-        let in_columns: f64 = match columns.is_empty() {
+        let in_columns: f64 = match single.is_empty() {
             true => 0.0,
-            false => columns.iter().zip(probe.column_mass(h, r)).filter(single).map(|(_, &p)| p as f64).sum(),
+            false => {
+                let p = probe.column_mass(h, r);
+                single.iter().map(|&i| p[i] as f64).sum()
+            }
         };
         let at = match subset {
             Subset::Recent => 0,

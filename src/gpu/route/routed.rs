@@ -147,13 +147,14 @@ impl RoutedAttention {
             None => Candidate::library(),
         };
         // Per KV head, every candidate's mask (a description: nothing is
-        // listed yet) and estimate.
+        // listed yet) and estimate, in parallel over heads and candidates (a
+        // layer of few KV heads would leave most cores idle).
         let options: Vec<Vec<(Candidate, Mask, Estimate)>> = lines
             .par_iter()
             .enumerate()
             .map(|(h, lines)| {
                 library
-                    .iter()
+                    .par_iter()
                     .map(|&c| {
                         let mask = c.mask(&probe, lines, h);
                         let e = estimate(&mask, &probe, &rows, h, lines);
@@ -171,9 +172,9 @@ impl RoutedAttention {
         };
         let overhead_us = self.profile.as_ref().and_then(|p| p.probe_us(kv_len)).unwrap_or(0.0);
         let heads: Vec<Vec<Choice>> = options
-            .iter()
+            .par_iter()
             .map(|o| {
-                o.iter()
+                o.par_iter()
                     .map(|(c, mask, e)| Choice {
                         risk: e.risk(self.settings.alpha),
                         lower: lower(c.pattern, e),
