@@ -9,6 +9,12 @@
 //! * `sketch_scan/CASE`: the key sketch's scan over pages of codes far bigger than
 //!   the last-level cache (as certified attention scans a long context), page by
 //!   page for a group of query heads, in bytes of codes read per second.
+//! * `sketch_refine/CASE`: the page refinement certified attention runs where the
+//!   sketch keeps 8-bit codes (coarse and fine codes, far bigger than the
+//!   last-level cache), page by page for a group of query heads, each page's
+//!   queries set up first as the policy does (`sketch_prepare` per head and
+//!   page), in bytes of codes read per second; `set-up only` times the set-ups
+//!   alone, as many per page.
 //!
 //! The kernels are the process's table (`SIFT_ISA` picks another). Run with
 //! `cargo bench -p simd --bench kernels`.
@@ -18,7 +24,9 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use half::f16;
-use simd::{kernels, Bounds, SketchCodes, SketchLayout, SketchQuery, WeightType};
+use simd::{
+    kernels, Bounds, FineConstants, RefineQuery, RefinedRows, SketchCodes, SketchLayout, SketchQuery, WeightType,
+};
 
 #[path = "../tests/common/mod.rs"]
 mod common;
@@ -151,6 +159,60 @@ fn sketch_scan(c: &mut Criterion) {
     group.finish();
 }
 
+fn sketch_refine(c: &mut Criterion) {
+    const PAGE: usize = 64;
+    let k = kernels();
+    let mut rng = Rng::new(4);
+    let mut group = c.benchmark_group("sketch_refine");
+    configure(&mut group);
+    // (name, dim, query heads per KV head, whether the refinement runs): as in
+    // `sketch_scan`.
+    let cases =
+        [("d128 4 heads", 128, 4, true), ("d128 4 heads, set-up only", 128, 4, false), ("d256 4 heads", 256, 4, true)];
+    for (name, dim, heads, refine) in cases {
+        let layout = SketchLayout { dim, bits: 4 };
+        let page_bytes = PAGE * layout.row_bytes();
+        let pages = MATRIX_BYTES / 2 / page_bytes;
+        let mut codes = vec![0u8; 2 * pages * page_bytes];
+        rng.fill_bytes(&mut codes);
+        let (coarse, fine) = codes.split_at(pages * page_bytes);
+        // Per page, its channels' minima and steps; per head, its query.
+        let affine: Vec<f32> =
+            (0..2 * dim).map(|c| if c < dim { -rng.unit() } else { 0.1 * rng.unit() } as f32).collect();
+        let (min, step) = affine.split_at(dim);
+        let q: Vec<Vec<f32>> = (0..heads).map(|_| (0..dim).map(|_| rng.unit() as f32 - 0.5).collect()).collect();
+        let mut planes = vec![vec![0i8; 2 * layout.weights_len()]; heads];
+        let mut fields = vec![0.0f32; 4 * heads * PAGE];
+        group.throughput(Throughput::Bytes(codes.len() as u64));
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                for (coarse, fine) in black_box(coarse).chunks_exact(page_bytes).zip(fine.chunks_exact(page_bytes)) {
+                    let mut constants = [FineConstants::default(); 8];
+                    for ((q, planes), constants) in q.iter().zip(&mut planes).zip(&mut constants) {
+                        let (weights, residuals) = planes.split_at_mut(layout.weights_len());
+                        let (scales, _) = k.sketch_prepare(q, min, step, &mut weights[..dim], &mut residuals[..dim]);
+                        constants.alpha = scales.alpha;
+                    }
+                    if !refine {
+                        black_box(&constants);
+                        continue;
+                    }
+                    let empty = SketchQuery { weights: &[], beta: 0.0, lower: 0.0, upper: 0.0 };
+                    let mut views = [RefineQuery { scan: empty, residuals: &[], fine: FineConstants::default() }; 8];
+                    for ((view, planes), &fine) in views.iter_mut().zip(&planes).zip(&constants) {
+                        let (weights, residuals) = planes.split_at(layout.weights_len());
+                        let scan = SketchQuery { weights, beta: 1e-3, lower: -1.0, upper: 1.0 };
+                        *view = RefineQuery { scan, residuals, fine };
+                    }
+                    let (coarse, fine) = (SketchCodes { layout, codes: coarse }, SketchCodes { layout, codes: fine });
+                    k.sketch_refine_page(&coarse, &fine, &views[..heads], &mut RefinedRows::of(&mut fields));
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
 fn attention(c: &mut Criterion) {
     const PAGE: usize = 64;
     const DIM: usize = 256;
@@ -193,5 +255,5 @@ fn attention(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, dot_rows, memory_bandwidth, dot_tile, sketch_scan, attention);
+criterion_group!(benches, dot_rows, memory_bandwidth, dot_tile, sketch_scan, sketch_refine, attention);
 criterion_main!(benches);
