@@ -374,10 +374,10 @@ mod tests {
         assert!((e.worst_recent - 0.3).abs() < 1e-6, "{e:?}");
     }
 
-    #[test]
-    fn vertical_slash_counts_each_rows_own_column_mass_outside_its_blocks() {
-        // Two rows in query block 2 (recent at 191, uniform at 140) over 3 key
-        // blocks; ranked columns 100, 70, 150, 10 (key blocks 1, 1, 2, 0).
+    /// Two rows in query block 2 (recent at 191, uniform at 140) over 3 key
+    /// blocks, and the head's ranked columns 100, 70, 150, 10 (key blocks 1,
+    /// 1, 2, 0) with each row's mass in them.
+    fn rows_with_columns() -> (Probe, HeadLines, ProbeRows) {
         let mut probe = two_rows_over_three_blocks(vec![0.3, 0.2, 0.5, 0.1, 0.6, 0.3]);
         probe.column_mass = vec![0.0; 2 * COLUMNS];
         probe.column_mass[..4].copy_from_slice(&[0.05, 0.04, 0.3, 0.2]);
@@ -389,6 +389,12 @@ mod tests {
             recent: 1,
             chunk: 2,
         };
+        (probe, lines, rows)
+    }
+
+    #[test]
+    fn vertical_slash_counts_each_rows_own_column_mass_outside_its_blocks() {
+        let (probe, lines, rows) = rows_with_columns();
         // The first three columns and no diagonal: blocks 0 and 2 listed, so
         // columns 100 and 70 are single, 150 is inside block 2.
         let mask = Candidate { pattern: Pattern::VerticalSlash, budget: [3, 0] }.mask(&probe, &lines, 0);
@@ -412,21 +418,11 @@ mod tests {
         // As above, with the probe's block list of query block 2 ranking key
         // block 1: the union [1 block, no diagonal] lists it whole, so
         // columns 100 and 70 count once, in it.
-        let mut probe = two_rows_over_three_blocks(vec![0.3, 0.2, 0.5, 0.1, 0.6, 0.3]);
-        probe.column_mass = vec![0.0; 2 * COLUMNS];
-        probe.column_mass[..4].copy_from_slice(&[0.05, 0.04, 0.3, 0.2]);
-        probe.column_mass[COLUMNS..COLUMNS + 4].copy_from_slice(&[0.25, 0.01, 0.0, 0.1]);
+        let (mut probe, lines, rows) = rows_with_columns();
         probe.probe_blocks = vec![2].into();
         let mut lists = vec![NO_BLOCK; TOP_BLOCKS];
         lists[0] = 1;
         probe.top_blocks = lists.into();
-        let lines = HeadLines { columns: vec![100, 70, 150, 10], diagonals: vec![] };
-        let rows = ProbeRows {
-            positions: vec![191, 140],
-            subsets: vec![Subset::Recent, Subset::Uniform],
-            recent: 1,
-            chunk: 2,
-        };
         let e = |budget| {
             let mask = Candidate { pattern: Pattern::Union, budget }.mask(&probe, &lines, 0);
             estimate(&mask, &probe, &rows, 0, &lines)
