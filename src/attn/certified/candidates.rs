@@ -282,13 +282,13 @@ impl Stretch {
             }
             let first = page * PAGE + rows.start - positions.start;
             let exponentials = &group.exponential_uppers[page * PAGE + rows.start - group.pool.start..][..rows.len()];
+            let refined = RefinedRows::of(&mut self.refined_bounds);
             for h in 0..n_gqa {
                 let perturbed = &mut self.perturbed[h * len + first..][..rows.len()];
                 let rows = h * PAGE + rows.start..h * PAGE + rows.end;
                 let lower = if refines {
-                    let bounds = RefinedRows::of(&mut self.refined_bounds);
-                    perturb(scorer, bounds.upper[rows.clone()].iter().copied(), exponentials, perturbed);
-                    largest(&bounds.scanned_lower[rows], |&b| b)
+                    perturb(scorer, refined.upper[rows.clone()].iter().copied(), exponentials, perturbed);
+                    largest(&refined.scanned_lower[rows], |&b| b)
                 } else {
                     let bounds = &self.page_bounds[rows];
                     perturb(scorer, bounds.iter().map(|b| b.upper), exponentials, perturbed);
