@@ -28,7 +28,11 @@
 //!   `--gen` greedy tokens; every sparse policy decodes the same tokens in
 //!   lockstep, writing its own keys and values, and each step's
 //!   `KL(dense ‖ policy)` and top-1 agreement are averaged per bin of 128
-//!   positions.
+//!   positions. With `--teacher-sampled`, dense's tokens are drawn instead,
+//!   as `sift run` draws them by default (temperature 0.8, top-k 40, top-p
+//!   0.95, min-p 0.05, seeded with the prefix's number): a sampled
+//!   continuation reads like text, where this model's greedy one soon
+//!   settles into a loop. It measures no free-running result (`--free 0`).
 //! * **Free-running** (the first `--free` prefixes): every policy's own
 //!   `--free-gen` greedy tokens; the share of prefixes whose continuation
 //!   equals dense's, and the mean position of the first difference among
@@ -90,8 +94,16 @@ use sift::kv::{PagedLayer, Storage};
 use sift::matmul::{MatmulScratch, Matrix};
 use sift::model::Model;
 use sift::rectify::{Rectify, DEFAULT_EVERY};
+use sift::sample::{Sampler, SamplingParams};
 use sift::tokenizer::Tokenizer;
 use simd::WeightType;
+
+/// The plot's font, the first of these that exists (Debian's
+/// fonts-liberation, fonts-dejavu-core), unless `SIFT_PLOT_FONT` names one.
+const PLOT_FONTS: [&str; 2] = [
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+];
 
 /// Positions per bin of the teacher-forced table.
 const BIN: usize = 128;
@@ -124,6 +136,9 @@ struct Settings {
     /// existed ran the default ones).
     #[serde(default = "Variant::defaults")]
     variants: Vec<Variant>,
+    /// Teacher-forced on dense's sampled tokens rather than its greedy ones.
+    #[serde(default)]
+    teacher_sampled: bool,
 }
 
 impl Settings {
@@ -134,8 +149,8 @@ impl Settings {
 
     /// Whether runs of `self` and `other` are of the same prefixes and steps.
     fn same_prefixes(&self, other: &Settings) -> bool {
-        (self.prefix, self.gen, self.free_gen, self.rectify_every, self.runs())
-            == (other.prefix, other.gen, other.free_gen, other.rectify_every, other.runs())
+        (self.prefix, self.gen, self.free_gen, self.rectify_every, self.runs(), self.teacher_sampled)
+            == (other.prefix, other.gen, other.free_gen, other.rectify_every, other.runs(), other.teacher_sampled)
     }
 
     /// Dense first, then the sparse variants.
@@ -160,6 +175,7 @@ impl Args {
                 free_gen: 128,
                 rectify_every: DEFAULT_EVERY,
                 variants: Variant::defaults(),
+                teacher_sampled: false,
             },
             threads: sift::threads::default_threads(),
             prefixes: None,
@@ -168,6 +184,10 @@ impl Args {
         let mut it = std::env::args().skip(1).peekable();
         while let Some(flag) = it.next() {
             if flag == "--bench" {
+                continue;
+            }
+            if flag == "--teacher-sampled" {
+                args.settings.teacher_sampled = true;
                 continue;
             }
             if flag == "--merge" {
@@ -209,6 +229,10 @@ impl Args {
             }
         }
         anyhow::ensure!(args.settings.free_gen >= 1, "--free-gen must be at least 1");
+        anyhow::ensure!(
+            !args.settings.teacher_sampled || args.settings.free == 0,
+            "--teacher-sampled measures no free-running result: pass --free 0"
+        );
         if let Some(range) = &args.prefixes {
             anyhow::ensure!(
                 range.start < range.end && range.end <= args.settings.runs(),
@@ -436,12 +460,13 @@ fn main() -> anyhow::Result<()> {
     for index in range.clone() {
         let (book, offset, tokens) = prefix(&books, bos, &s, index)?;
         let mut base = Session::with_policy(&model, n_ctx, DEFAULT_BATCH, storage, Box::new(Dense));
-        let first = argmax(base.prefill(&tokens)?);
+        let mut next = NextToken::of(&s, index);
+        let first = next.pick(base.prefill(&tokens)?);
         eprintln!("{} prefix {index} ({book} at token {offset}) prefilled", stamp());
         let run =
             PrefixRun { index, book, offset, teacher_steps: 0, free_done: false, variants: Vec::new(), tokens: vec![] };
         results.runs.push(run);
-        lockstep(&base, &mut head, first, &s, &mut results, |results, steps| {
+        lockstep(&base, &mut head, (first, next), &s, &mut results, |results, steps| {
             eprintln!("{} prefix {index}: {steps} teacher-forced steps", stamp());
             out.write(results, "in progress").map(drop)
         })?;
@@ -473,8 +498,31 @@ fn prefix(
     Ok((name.clone(), offset, prefix))
 }
 
-/// Every variant decodes dense's greedy tokens in lockstep, from `base`'s
-/// cache, whose logits chose `first`, into the latest of `results`' runs.
+/// How dense's next token is chosen: greedy, or with `--teacher-sampled`
+/// drawn as `sift run` draws by default, seeded with the prefix's number.
+struct NextToken(Option<Sampler>);
+
+impl NextToken {
+    fn of(settings: &Settings, index: usize) -> Self {
+        let params = SamplingParams { seed: index as u64, ..SamplingParams::default() };
+        Self(settings.teacher_sampled.then(|| Sampler::new(params)))
+    }
+
+    fn pick(&mut self, logits: &[f32]) -> u32 {
+        match &mut self.0 {
+            None => argmax(logits),
+            Some(sampler) => {
+                let token = sampler.sample(logits);
+                sampler.accept(token);
+                token
+            }
+        }
+    }
+}
+
+/// Every variant decodes dense's tokens in lockstep, from `base`'s cache,
+/// whose logits chose the first of `next`'s tokens, into the latest of
+/// `results`' runs.
 /// Teacher-forced (a prefix numbered below `--teacher`), for `--gen` steps,
 /// each step's KL and agreement recorded, and `checkpoint` called every
 /// [`BIN`] steps. In any case the first `--free-gen` tokens also give the
@@ -486,7 +534,7 @@ fn prefix(
 fn lockstep(
     base: &Session,
     head: &mut Head,
-    first: u32,
+    (first, mut next): (u32, NextToken),
     settings: &Settings,
     results: &mut Results,
     mut checkpoint: impl FnMut(&Results, usize) -> anyhow::Result<()>,
@@ -516,7 +564,8 @@ fn lockstep(
     };
     let (mut hidden, mut logits, mut active) = (Vec::new(), Vec::new(), Vec::new());
     for step in 0..steps {
-        let free_step = step + 1 < settings.free_gen;
+        // Dense's sampled tokens are no policy's greedy continuation.
+        let free_step = !settings.teacher_sampled && step + 1 < settings.free_gen;
         let differs = |run: &VariantRun| run.first_difference.is_some();
         if !teacher && runs.iter().skip(1).all(differs) {
             break;
@@ -556,20 +605,20 @@ fn lockstep(
                 run.agree.push(agree);
             }
         }
-        token = dense_top;
+        token = next.pick(dense_logits);
         let current = &mut results.runs[last];
         if teacher {
             current.tokens.push(token);
         }
         current.teacher_steps = if teacher { step + 1 } else { 0 };
-        current.free_done = step + 2 >= settings.free_gen;
+        current.free_done = !settings.teacher_sampled && step + 2 >= settings.free_gen;
         if teacher && (step + 1) % BIN == 0 {
             current.variants = record(&runs, &sessions, &times, &counts);
             checkpoint(results, step + 1)?;
         }
     }
     let current = &mut results.runs[last];
-    current.free_done = true;
+    current.free_done = !settings.teacher_sampled;
     current.variants = record(&runs, &sessions, &times, &counts);
     if teacher {
         let decoded = base.n_past()..base.n_past() + steps;
@@ -973,8 +1022,10 @@ impl<'a> Report<'a> {
         if !sparse.is_empty() {
             let _ = writeln!(
                 s,
-                "Teacher-forced, prefixes of {} tokens, {} tokens decoded: mean KL(dense ‖ policy) / top-1 agreement (prefixes) per bin of {BIN} positions\n",
-                s_.prefix, s_.gen
+                "Teacher-forced on dense's {} tokens, prefixes of {} tokens, {} tokens decoded: mean KL(dense ‖ policy) / top-1 agreement (prefixes) per bin of {BIN} positions\n",
+                if s_.teacher_sampled { "sampled" } else { "greedy" },
+                s_.prefix,
+                s_.gen
             );
             let names = sparse.iter().map(|&i| self.variants[i].name()).collect::<Vec<_>>().join(" | ");
             let _ = writeln!(s, "| positions | {names} |");
@@ -1287,9 +1338,15 @@ impl<'a> Report<'a> {
 
     /// Per-bin mean KL of the sparse variants, log scale.
     fn plot(&self, path: &Path) -> anyhow::Result<()> {
-        let font = std::env::var("SIFT_PLOT_FONT")
-            .unwrap_or_else(|_| "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf".into());
-        let bytes: &'static [u8] = Box::leak(std::fs::read(&font)?.into_boxed_slice());
+        let font = match std::env::var("SIFT_PLOT_FONT") {
+            Ok(font) => font,
+            Err(_) => PLOT_FONTS.iter().find(|f| Path::new(f).exists()).map_or_else(
+                || anyhow::bail!("no font for the plot: install fonts-liberation or fonts-dejavu-core, or set SIFT_PLOT_FONT to a .ttf file"),
+                |f| Ok(f.to_string()),
+            )?,
+        };
+        let bytes = std::fs::read(&font).map_err(|e| anyhow::anyhow!("SIFT_PLOT_FONT {font}: {e}"))?;
+        let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
         plotters::style::register_font("sans-serif", FontStyle::Normal, bytes)
             .map_err(|_| anyhow::anyhow!("{font}: not a font plotters can read"))?;
         let sparse: Vec<_> =
