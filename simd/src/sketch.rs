@@ -557,7 +557,8 @@ impl BlockDots for Portable {
 /// The refinement of every row of a page for every query, from the integer
 /// dots of the coarse and the fine codes (4-bit fields each) with the
 /// weights and the residual weights: the 8-bit dot is `16·coarse + fine`.
-/// The form of the tables whose byte products cannot take 8-bit codes.
+/// The portable table's form (the x86 tables read each row once for all
+/// the queries: `x86/sketch.rs`).
 ///
 /// # Safety
 /// As [`scan`]; the fine codes have the coarse codes' layout, rows and

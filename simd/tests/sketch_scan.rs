@@ -313,6 +313,31 @@ fn extreme_dots_are_exact() {
     }
 }
 
+/// The refinement at the largest dots it allows: every code 15 (8-bit codes
+/// 255) and every weight and residual −128, over the longest rows it takes
+/// (2^16 codes), so that every partial sum any table keeps is at its
+/// largest; the bounds are those of the exact dots.
+#[test]
+fn extreme_refined_dots_are_exact() {
+    let layout = SketchLayout { dim: 1 << 16, bits: 4 };
+    let codes = vec![0xffu8; 2 * layout.row_bytes()];
+    let weights = vec![-128i8; layout.weights_len()];
+    let scan = SketchQuery { weights: &weights, beta: 1.0, lower: 0.0, upper: 0.0 };
+    let fine = FineConstants { alpha: 1.0, alpha2: 0.5, lower: 0.0, upper: 0.0 };
+    let query = RefineQuery { scan, residuals: &weights, fine };
+    let dim = 1i64 << 16;
+    let want = query.bounds((-128 * 15 * dim) as i32, -128 * 255 * dim, -128 * 255 * dim);
+    let codes = SketchCodes { layout, codes: &codes };
+    for isa in Isa::available() {
+        let mut fields = vec![f32::NAN; 4 * 2];
+        let mut out = RefinedRows::of(&mut fields);
+        Kernels::for_isa(isa).unwrap().sketch_refine_page(&codes, &codes, &[query], &mut out);
+        for row in 0..2 {
+            assert_eq!(out.get(row), want, "row {row} on {isa}");
+        }
+    }
+}
+
 /// Contract violations are panics with a message, never wrong answers.
 #[test]
 #[should_panic(expected = "weights")]

@@ -11,11 +11,14 @@
 //! i32 without saturating at all.
 //! The ymm form serves both: Zen 4 runs zmm operations as two ymm halves.
 //!
-//! The refinement of a whole page ([`refine_fused`]) joins on the VNNI
-//! tables each coarse byte with its fine byte into the two 8-bit codes they
-//! hold, so that one chain of byte products per query gives the 8-bit dot
-//! (the codes reach 255, which `vpdpbusd` takes and `vpmaddubsw` would
-//! saturate on; AVX2 composes it from 4-bit dots instead).
+//! The refinement of a whole page ([`refine_fused`]) reads each row's coarse
+//! and fine bytes once for all its queries. The VNNI tables join each coarse
+//! byte with its fine byte into the two 8-bit codes they hold, so that one
+//! chain of byte products per query gives the 8-bit dot (the codes reach
+//! 255, which `vpdpbusd` takes and `vpmaddubsw` would saturate on). AVX2
+//! keeps the 4-bit fields apart, four chains of `vpmaddubsw` summed in i16
+//! lanes over up to four vectors before one `vpmaddwd` widens them, and
+//! composes the 8-bit dot as `16·coarse + fine` ([`RefineBytes`]).
 
 use core::arch::x86_64::*;
 
@@ -122,25 +125,23 @@ const REFINED_ROWS: usize = 8;
 /// 8-bit codes with the residual weights.
 type RowDots<const G: usize> = [[__m256i; 3]; G];
 
-/// [`crate::sketch::refine_composed`]'s bounds on a table whose byte
-/// products take 8-bit codes exactly: per row and [`VECTOR`] code bytes, the
-/// coarse nibbles and the two 8-bit codes of each byte pair (coarse nibble
-/// above fine nibble) meet each query's weight planes, three chains of
-/// `dp`; [`REFINED_ROWS`] rows' dots are reduced together, their bounds
-/// computed in f32 vectors with the operations of [`RefineQuery::bounds`]
-/// and stored a vector per field.
+/// [`crate::sketch::refine_composed`]'s bounds, each row's code bytes read
+/// once for all the queries: per row and [`VECTOR`] code bytes, the
+/// table's [`RefineBytes`] add the row's three dots for each query;
+/// [`REFINED_ROWS`] rows' dots are reduced together, their bounds computed
+/// in f32 vectors with the operations of [`RefineQuery::bounds`] and stored
+/// a vector per field.
 ///
 /// # Safety
-/// The CPU must support the ISA, whose `dp` has [`IsaOps::BYTE_DP`]; the
-/// lengths are as `Kernels::sketch_refine_page` checks.
+/// The CPU must support the ISA; the lengths are as
+/// `Kernels::sketch_refine_page` checks.
 #[inline(always)]
-unsafe fn refine_fused<I: IsaOps>(
+unsafe fn refine_fused<I: RefineBytes>(
     coarse: &SketchCodes,
     fine: &SketchCodes,
     queries: &[RefineQuery],
     out: &mut RefinedRows,
 ) {
-    const { assert!(I::BYTE_DP, "8-bit codes need exact byte products") };
     let rows = out.len() / queries.len().max(1);
     if rows == 0 {
         return;
@@ -164,7 +165,7 @@ unsafe fn refine_fused<I: IsaOps>(
 /// # Safety
 /// As [`refine_fused`]; at least `G` queries are given.
 #[inline(always)]
-unsafe fn refine_group<I: IsaOps, const G: usize>(
+unsafe fn refine_group<I: RefineBytes, const G: usize>(
     coarse: &SketchCodes,
     fine: &SketchCodes,
     queries: &[RefineQuery],
@@ -191,9 +192,10 @@ unsafe fn refine_group<I: IsaOps, const G: usize>(
             let row = (start + r).min(rows - 1);
             let (c, f) = (&coarse.codes[row * len..][..len], &fine.codes[row * len..][..len]);
             let mut acc: RowDots<G> = [[zero; 3]; G];
+            let mut partial: PartialDots<G> = [[zero; 4]; G];
             // SAFETY: the caller's ISA guarantee; every load is of a whole vector.
             unsafe {
-                for m in (0..whole).step_by(VECTOR) {
+                for (k, m) in (0..whole).step_by(VECTOR).enumerate() {
                     // (Loops, not `array::map`, whose closures are not
                     // always inlined in this innermost loop.)
                     let mut weights = [[zero; 4]; G];
@@ -202,12 +204,15 @@ unsafe fn refine_group<I: IsaOps, const G: usize>(
                             *w = load32(first::<i8>(&plane[m..]));
                         }
                     }
-                    refine_bytes::<I, G>(
-                        &mut acc,
+                    I::add_bytes::<G>(
+                        &mut partial,
                         load32(first::<u8>(&c[m..])),
                         load32(first::<u8>(&f[m..])),
                         &weights,
                     );
+                    if (k + 1) % I::SPAN == 0 {
+                        I::widen::<G>(&mut partial, &mut acc);
+                    }
                 }
                 if whole < len {
                     let mut weights = [[zero; 4]; G];
@@ -217,8 +222,9 @@ unsafe fn refine_group<I: IsaOps, const G: usize>(
                         }
                     }
                     let (c, f) = (padded::<u8, VECTOR>(&c[whole..]), padded::<u8, VECTOR>(&f[whole..]));
-                    refine_bytes::<I, G>(&mut acc, load32(&c), load32(&f), &weights);
+                    I::add_bytes::<G>(&mut partial, load32(&c), load32(&f), &weights);
                 }
+                I::widen::<G>(&mut partial, &mut acc);
             }
             for (dots, acc) in dots.iter_mut().zip(acc) {
                 for (dots, acc) in dots.iter_mut().zip(acc) {
@@ -243,35 +249,144 @@ unsafe fn refine_group<I: IsaOps, const G: usize>(
     G
 }
 
-/// Adds to `acc` one vector of a row's code bytes: coarse `c` and fine `f`,
-/// with each query's planes `[weights even, weights odd, residuals even,
-/// residuals odd]` at those bytes.
-///
-/// # Safety
-/// The CPU must support the ISA, whose `dp` has [`IsaOps::BYTE_DP`].
-#[inline(always)]
-unsafe fn refine_bytes<I: IsaOps, const G: usize>(
-    acc: &mut RowDots<G>,
-    c: __m256i,
-    f: __m256i,
-    weights: &[[__m256i; 4]; G],
-) {
-    // SAFETY: the caller's ISA guarantee covers every intrinsic below.
-    unsafe {
-        let (low, high) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0xf0u8 as i8));
-        // The coarse codes of the even and odd channels.
-        let coarse_even = _mm256_and_si256(c, low);
-        let coarse_odd = _mm256_and_si256(_mm256_srli_epi16::<4>(c), low);
-        // Their 8-bit codes: coarse nibble above fine nibble.
-        let even = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16::<4>(c), high), _mm256_and_si256(f, low));
-        let odd = _mm256_or_si256(_mm256_and_si256(c, high), _mm256_and_si256(_mm256_srli_epi16::<4>(f), low));
-        for (acc, [w_even, w_odd, r_even, r_odd]) in acc.iter_mut().zip(weights) {
-            acc[0] = I::dp(I::dp(acc[0], coarse_even, *w_even), coarse_odd, *w_odd);
-            acc[1] = I::dp(I::dp(acc[1], even, *w_even), odd, *w_odd);
-            acc[2] = I::dp(I::dp(acc[2], even, *r_even), odd, *r_odd);
+/// Per query, a row's partial sums as a table's [`RefineBytes`] keep them
+/// between widenings.
+type PartialDots<const G: usize> = [[__m256i; 4]; G];
+
+/// How a table adds a row's code bytes to its three dots per query
+/// ([`RowDots`]: coarse codes with the weights, 8-bit codes with the
+/// weights and with the residual weights): into partial sums, which
+/// [`RefineBytes::widen`] adds to the dots at least every
+/// [`RefineBytes::SPAN`] vectors of bytes, and at the row's end.
+trait RefineBytes: IsaOps {
+    /// Vectors of code bytes the partial sums hold without overflowing.
+    const SPAN: usize;
+
+    /// Adds one vector of a row's code bytes, coarse `c` and fine `f`, with
+    /// each query's planes `[weights even, weights odd, residuals even,
+    /// residuals odd]` at those bytes, to `partial`.
+    ///
+    /// # Safety
+    /// The CPU must support the ISA.
+    unsafe fn add_bytes<const G: usize>(
+        partial: &mut PartialDots<G>,
+        c: __m256i,
+        f: __m256i,
+        weights: &[[__m256i; 4]; G],
+    );
+
+    /// Adds `partial` to `acc` and clears it.
+    ///
+    /// # Safety
+    /// The CPU must support the ISA.
+    unsafe fn widen<const G: usize>(partial: &mut PartialDots<G>, acc: &mut RowDots<G>);
+}
+
+impl RefineBytes for Avx2 {
+    /// A `vpmaddubsw` lane is at most 2·15·128 = 3840 in magnitude (4-bit
+    /// codes, weights from −128): two a vector and chain, over four vectors,
+    /// 30,720, within an i16.
+    const SPAN: usize = 4;
+
+    /// Four chains in i16 lanes: coarse and fine nibbles, each with the
+    /// weights and with the residual weights.
+    #[inline(always)]
+    unsafe fn add_bytes<const G: usize>(
+        partial: &mut PartialDots<G>,
+        c: __m256i,
+        f: __m256i,
+        weights: &[[__m256i; 4]; G],
+    ) {
+        // SAFETY: the caller's ISA guarantee covers every intrinsic below.
+        unsafe {
+            let low = _mm256_set1_epi8(0x0f);
+            let nibbles = |x| (_mm256_and_si256(x, low), _mm256_and_si256(_mm256_srli_epi16::<4>(x), low));
+            let (c_even, c_odd) = nibbles(c);
+            let (f_even, f_odd) = nibbles(f);
+            let pair = |sum, even, odd, w_even, w_odd| {
+                let products = _mm256_add_epi16(_mm256_maddubs_epi16(even, w_even), _mm256_maddubs_epi16(odd, w_odd));
+                _mm256_add_epi16(sum, products)
+            };
+            for (p, [w_even, w_odd, r_even, r_odd]) in partial.iter_mut().zip(weights) {
+                p[0] = pair(p[0], c_even, c_odd, *w_even, *w_odd);
+                p[1] = pair(p[1], f_even, f_odd, *w_even, *w_odd);
+                p[2] = pair(p[2], c_even, c_odd, *r_even, *r_odd);
+                p[3] = pair(p[3], f_even, f_odd, *r_even, *r_odd);
+            }
+        }
+    }
+
+    /// Widens the chains to i32 and composes the 8-bit dots, `16·coarse +
+    /// fine`.
+    #[inline(always)]
+    unsafe fn widen<const G: usize>(partial: &mut PartialDots<G>, acc: &mut RowDots<G>) {
+        // SAFETY: the caller's ISA guarantee covers every intrinsic below.
+        unsafe {
+            let ones = _mm256_set1_epi16(1);
+            for (p, acc) in partial.iter_mut().zip(acc) {
+                let [coarse, fine, coarse_residual, fine_residual] = p.map(|p| _mm256_madd_epi16(p, ones));
+                let code = |coarse, fine| _mm256_add_epi32(_mm256_slli_epi32::<4>(coarse), fine);
+                acc[0] = _mm256_add_epi32(acc[0], coarse);
+                acc[1] = _mm256_add_epi32(acc[1], code(coarse, fine));
+                acc[2] = _mm256_add_epi32(acc[2], code(coarse_residual, fine_residual));
+                *p = [_mm256_setzero_si256(); 4];
+            }
         }
     }
 }
+
+/// [`RefineBytes`] for the tables whose `dp` takes 8-bit codes exactly
+/// ([`IsaOps::BYTE_DP`]): the coarse nibbles and the two 8-bit codes of each
+/// byte (coarse nibble above fine nibble) meet each query's planes, three
+/// chains of `dp` in i32 lanes, which never need widening.
+macro_rules! byte_dp_refine {
+    ($($I:ty),*) => {$(
+        impl RefineBytes for $I {
+            const SPAN: usize = usize::MAX;
+
+            #[inline(always)]
+            unsafe fn add_bytes<const G: usize>(
+                partial: &mut PartialDots<G>,
+                c: __m256i,
+                f: __m256i,
+                weights: &[[__m256i; 4]; G],
+            ) {
+                const { assert!(<$I>::BYTE_DP, "8-bit codes need exact byte products") };
+                // SAFETY: the caller's ISA guarantee covers every intrinsic below.
+                unsafe {
+                    let (low, high) = (_mm256_set1_epi8(0x0f), _mm256_set1_epi8(0xf0u8 as i8));
+                    // The coarse codes of the even and odd channels.
+                    let coarse_even = _mm256_and_si256(c, low);
+                    let coarse_odd = _mm256_and_si256(_mm256_srli_epi16::<4>(c), low);
+                    // Their 8-bit codes: coarse nibble above fine nibble.
+                    let even =
+                        _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi16::<4>(c), high), _mm256_and_si256(f, low));
+                    let odd =
+                        _mm256_or_si256(_mm256_and_si256(c, high), _mm256_and_si256(_mm256_srli_epi16::<4>(f), low));
+                    for (p, [w_even, w_odd, r_even, r_odd]) in partial.iter_mut().zip(weights) {
+                        p[0] = <$I>::dp(<$I>::dp(p[0], coarse_even, *w_even), coarse_odd, *w_odd);
+                        p[1] = <$I>::dp(<$I>::dp(p[1], even, *w_even), odd, *w_odd);
+                        p[2] = <$I>::dp(<$I>::dp(p[2], even, *r_even), odd, *r_odd);
+                    }
+                }
+            }
+
+            #[inline(always)]
+            unsafe fn widen<const G: usize>(partial: &mut PartialDots<G>, acc: &mut RowDots<G>) {
+                // SAFETY: the caller's ISA guarantee covers every intrinsic below.
+                unsafe {
+                    for (p, acc) in partial.iter_mut().zip(acc) {
+                        for (acc, p) in acc.iter_mut().zip(p.iter_mut()) {
+                            *acc = _mm256_add_epi32(*acc, *p);
+                            *p = _mm256_setzero_si256();
+                        }
+                    }
+                }
+            }
+        }
+    )*};
+}
+byte_dp_refine!(AvxVnni, Avx512);
 
 /// [`RefineQuery::bounds`] of eight rows, from their dots `[coarse, 8-bit,
 /// 8-bit residual]`, in f32 vectors with the same operations: the rows'
@@ -303,10 +418,9 @@ fn first<T>(x: &[T]) -> &[T; VECTOR] {
 }
 
 /// Defines the module `$module` of the scan's table entries on `$I`,
-/// compiled for `$features`; a page's refinement by `$refine`
-/// ([`refine_fused`], or [`crate::sketch::refine_composed`] from 4-bit dots).
+/// compiled for `$features`.
 macro_rules! sketch_entries {
-    ($module:ident, $I:ty, $refine:ident, $features:literal) => {
+    ($module:ident, $I:ty, $features:literal) => {
         mod $module {
             use super::*;
 
@@ -344,17 +458,16 @@ macro_rules! sketch_entries {
                 out: &mut RefinedRows,
             ) {
                 // SAFETY: this function enables the features.
-                unsafe { $refine::<$I>(coarse, fine, queries, out) }
+                unsafe { refine_fused::<$I>(coarse, fine, queries, out) }
             }
         }
     };
 }
 
 // The feature lists are those `Isa::is_supported` checks.
-use crate::sketch::refine_composed;
-sketch_entries!(avx2, Avx2, refine_composed, "avx2,fma,f16c");
-sketch_entries!(avxvnni, AvxVnni, refine_fused, "avx2,fma,f16c,avxvnni");
-sketch_entries!(avx512, Avx512, refine_fused, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
+sketch_entries!(avx2, Avx2, "avx2,fma,f16c");
+sketch_entries!(avxvnni, AvxVnni, "avx2,fma,f16c,avxvnni");
+sketch_entries!(avx512, Avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni");
 
 /// `Kernels::first_levels` on AVX2: thirty-two numbers at a time, in four
 /// vectors of counts, each threshold broadcast once for all four and its
