@@ -17,10 +17,10 @@ use sift::gpu::prefill::GpuPrefill;
 use sift::gpu::report::PrefillReport;
 use sift::gpu::route::calibration::CalibrationFile;
 use sift::gpu::route::candidates::HeadLines;
-use sift::gpu::route::index::{BlockSparse, Union, VerticalSlash};
+use sift::gpu::route::index::{BlockSparse, Union, VerticalSlash, Widened};
 use sift::gpu::route::probe::{ProbeKernels, ProbeRows, COLUMNS, NO_BLOCK, TOP_BLOCKS};
 use sift::gpu::route::profile::{Entry, LatencyProfile, ProbeEntry};
-use sift::gpu::route::{Candidate, Mask, RouteSettings, SparseIndex};
+use sift::gpu::route::{Candidate, Mask, RecentRows, RouteSettings, SparseIndex};
 use sift::gpu::{GpuContext, KernelPath};
 use sift::kv::Storage;
 use sift::matmul::set_f32_activations;
@@ -128,6 +128,9 @@ fn each_pattern_kernel_equals_attention_over_its_mask() {
         ranked: BlockSparse::new(&[vec![], vec![], vec![1], vec![2, 1], vec![2], vec![4, 1]]),
         extra: 1,
     });
+    // Query block 4 widened by key blocks 1 and 2, which hold the single
+    // columns 70, 71 and 150 (no longer single there).
+    let widened = Mask::Widened(Widened { base: Box::new(vslash.clone()), extra: vec![(4, vec![1, 2])] });
     let cases = [
         Case { n: 300, pos0: 0, n_head: 4, n_kv_head: 2, d: 64 },
         Case { n: 200, pos0: 0, n_head: 4, n_kv_head: 1, d: 256 },
@@ -135,7 +138,7 @@ fn each_pattern_kernel_equals_attention_over_its_mask() {
     ];
     for path in common::kernel_paths(ctx, "each_pattern_kernel_equals_attention_over_its_mask") {
         for c in &cases {
-            for mask in [&ashape, &vslash, &blocks, &union] {
+            for mask in [&ashape, &vslash, &blocks, &union, &widened] {
                 let masks = vec![mask; c.n_kv_head as usize];
                 check(ctx, path, c, &masks, &mut noise);
             }
@@ -444,8 +447,9 @@ fn routed_prefill_of_a_short_prompt_gives_logits_close_to_dense() {
 /// The (τ, budget) settings the GPU quality tests route with: the defaults,
 /// or `SIFT_ROUTE_SETTINGS`, comma-separated `τ:budget` pairs (the seed's
 /// latency–quality curve varies both), each optionally `:recent` (m̲ bounds
-/// the probe's least-kept recent row too, `RouteSettings::recent_rows`).
-fn route_settings(defaults: &RouteSettings) -> Vec<(f64, f64, bool)> {
+/// the probe's least-kept recent row too, [`RecentRows::Bound`]) or `:keep`
+/// (the recent rows' query blocks widened until each keeps τ, [`RecentRows::Keep`]).
+fn route_settings(defaults: &RouteSettings) -> Vec<(f64, f64, RecentRows)> {
     let Ok(list) = std::env::var("SIFT_ROUTE_SETTINGS") else {
         return vec![(defaults.tau, defaults.budget, defaults.recent_rows)];
     };
@@ -455,9 +459,10 @@ fn route_settings(defaults: &RouteSettings) -> Vec<(f64, f64, bool)> {
             let mut number = |what| parts.next().and_then(|p| p.parse().ok()).expect(what);
             let (tau, budget) = (number("SIFT_ROUTE_SETTINGS: τ"), number("SIFT_ROUTE_SETTINGS: budget"));
             let recent_rows = match parts.next() {
-                None => false,
-                Some("recent") => true,
-                Some(other) => panic!("SIFT_ROUTE_SETTINGS: '{other}' is not 'recent'"),
+                None => RecentRows::Mean,
+                Some("recent") => RecentRows::Bound,
+                Some("keep") => RecentRows::Keep,
+                Some(other) => panic!("SIFT_ROUTE_SETTINGS: '{other}' is neither 'recent' nor 'keep'"),
             };
             (tau, budget, recent_rows)
         })
@@ -535,9 +540,8 @@ fn routed_prefill_finds_the_needle_whenever_dense_does() {
                 "--prefill-report",
                 report.to_str().unwrap(),
             ];
-            if recent_rows {
-                args.push("--prefill-recent-rows");
-            }
+            let recent_arg = format!("--prefill-recent-rows={}", recent_rows.name());
+            args.push(&recent_arg);
             let routed = answer(&args).0;
             let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&report).unwrap()).unwrap();
             let chosen: Vec<String> = report["layers"]
@@ -553,7 +557,8 @@ fn routed_prefill_finds_the_needle_whenever_dense_does() {
                 })
                 .collect();
             eprintln!(
-                "depth {depth}, τ {tau} budget {budget} recent rows {recent_rows}: {tokens} tokens; dense {dense:?}, routed {routed:?} ({})",
+                "depth {depth}, τ {tau} budget {budget} recent rows {}: {tokens} tokens; dense {dense:?}, routed {routed:?} ({})",
+                recent_rows.name(),
                 chosen.join(", ")
             );
             if dense.contains(number) && !routed.contains(number) {

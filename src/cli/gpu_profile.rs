@@ -29,7 +29,7 @@ use sift::gpu::report::HeadReport;
 use sift::gpu::route::calibration::CalibrationFile;
 use sift::gpu::route::captured::{tile, CapturedLayer, CapturedPassage};
 use sift::gpu::route::profile::{median, LatencyProfile, BUCKETS};
-use sift::gpu::route::{Pattern, RouteSettings, RoutedAttention};
+use sift::gpu::route::{Pattern, RecentRows, RouteSettings, RoutedAttention};
 use sift::gpu::{AdapterPolicy, GpuContext, KernelPath};
 use sift::model::Model;
 
@@ -70,12 +70,16 @@ pub struct GpuProfileArgs {
     #[arg(long, value_delimiter = ',', default_value = "0.25")]
     prefill_budget: Vec<f64>,
     /// --compare: dense fallback when a KV head's lower mass bound is under this; several as
-    /// for --prefill-budget (every pair of the two lists is compared)
+    /// for --prefill-budget (every pair of the two lists is compared). The first is the τ
+    /// --calibrate and --compare's calibration widen recent query blocks to with
+    /// --prefill-recent-rows=keep
     #[arg(long, value_delimiter = ',', default_value = "0.95")]
     prefill_tau: Vec<f64>,
-    /// --compare: m̲ bounds the probe's least-kept recent row too (see `sift run`'s flag)
-    #[arg(long)]
-    prefill_recent_rows: bool,
+    /// --compare and --calibrate: what the probe's recent rows add to the lower mass bound
+    /// (mean, bound or keep: see `sift run`'s flag)
+    #[arg(long, value_name = "MODE", num_args = 0..=1, default_value = "mean", default_missing_value = "bound",
+          require_equals = true, value_parser = ["mean", "bound", "keep"])]
+    prefill_recent_rows: String,
     /// Instead of profiling, prefill passages of these texts on the GPU and keep each passage's
     /// queries, keys and values at the global layers under --capture-dir
     #[arg(long, value_name = "FILE", num_args = 1.., requires = "capture_dir")]
@@ -146,8 +150,9 @@ pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
     };
     let settings: Vec<(f64, f64)> =
         args.prefill_tau.iter().flat_map(|&tau| args.prefill_budget.iter().map(move |&budget| (budget, tau))).collect();
+    let recent_rows: RecentRows = args.prefill_recent_rows.parse().map_err(Usage)?;
     for &n in &args.compare {
-        compare(&ctx, path, shape, n, &profile, &inputs, &settings, args.prefill_recent_rows, args.runs)?;
+        compare(&ctx, path, shape, n, &profile, &inputs, &settings, recent_rows, args.runs)?;
     }
     Ok(())
 }
@@ -318,7 +323,7 @@ fn compare(
     profile: &LatencyProfile,
     inputs: &Inputs,
     settings: &[(f64, f64)],
-    recent_rows: bool,
+    recent_rows: RecentRows,
     runs: usize,
 ) -> anyhow::Result<()> {
     eprintln!("gpu-profile: comparing at {n} tokens on {}", inputs.describe(false));
@@ -332,7 +337,14 @@ fn compare(
         .map(|pos0| AttentionShape { n: chunk.min(n - pos0), pos0, n_head: hq, n_kv_head: hk, window: None, scale })
         .collect();
     let rows = n.next_multiple_of(BLOCK) as usize;
-    let calibration = RouteSettings { pattern: Some(Pattern::AShape), calibrate: true, ..RouteSettings::default() };
+    // Calibrated with the masks routing makes (recent query blocks widened or not).
+    let calibration = RouteSettings {
+        pattern: Some(Pattern::AShape),
+        calibrate: true,
+        recent_rows,
+        tau: settings[0].1,
+        ..RouteSettings::default()
+    };
     let calibrating = RoutedAttention::new(ctx, path, (d, hq / hk), calibration, None)?;
     let held_out = GpuInputs::upload(ctx, &inputs.make((hq, hk, d), n, rows, true)?, &shapes, d as usize)?;
     held_out.routed(ctx, &calibrating, &dense)?;
@@ -388,12 +400,13 @@ fn compare(
         let mut report = audited.report.lock().unwrap_or_else(|p| p.into_inner());
         report.summarize();
         println!(
-            "compare N={n} {hq}/{hk} heads d={d} ({}), τ {tau}, budget {budget}, recent rows bounded {recent_rows}, δ {delta:.4}, \
+            "compare N={n} {hq}/{hk} heads d={d} ({}), τ {tau}, budget {budget}, recent rows {}, δ {delta:.4}, \
              {runs} alternating runs after a warm-up of each: dense {:.2} ms (GPU timestamps), routed {:.2} ms \
              (wall clock, readbacks included), medians; dense/routed {:.2}x (median of the runs' ratios); \
              the median run's routed time: probe {:.2} + index {:.2} GPU, routing {:.2} + lists {:.2} CPU, \
              kernel {:.2} GPU = dense {:.2} + sparse {:.2}; chunks not routed (wall clock) {:.2}",
             inputs.describe(false),
+            recent_rows.name(),
             median(&dense_samples),
             median(&routed_samples),
             median(&ratios),
@@ -612,7 +625,14 @@ fn calibrate(args: &GpuProfileArgs, policy: AdapterPolicy) -> anyhow::Result<()>
     let model = Model::load(&file)?;
     let tokenizer = sift::tokenizer::Tokenizer::from_gguf(&file)?;
     let ctx: &'static GpuContext = Box::leak(Box::new(GpuContext::open(policy)?));
-    let settings = RouteSettings { pattern: Some(Pattern::BlockSparse), calibrate: true, ..RouteSettings::default() };
+    // Calibrated with the masks routing makes (recent query blocks widened to τ or not).
+    let settings = RouteSettings {
+        pattern: Some(Pattern::BlockSparse),
+        calibrate: true,
+        recent_rows: args.prefill_recent_rows.parse().map_err(Usage)?,
+        tau: args.prefill_tau[0],
+        ..RouteSettings::default()
+    };
     let prefill = GpuPrefill::new(ctx, &model)?.with_routing(settings)?;
     let mut texts = Vec::new();
     for path in &args.calibrate {

@@ -182,11 +182,14 @@ pub struct GpuArgs {
     /// pattern stays dense
     #[arg(long, default_value_t = 0.95)]
     pub prefill_tau: f64,
-    /// Routed: m̲ bounds the probe's recent row that keeps least as well as the mean
-    /// (m̲ = min(m̂, ŵ) − δ), so that a mask dropping a far key the last queries attend to is
-    /// not eligible
-    #[arg(long)]
-    pub prefill_recent_rows: bool,
+    /// Routed: what the probe's recent rows (the prompt's last queries) add to the lower mass
+    /// bound. mean: none (m̲ = m̂ − δ); bound (the flag alone): m̲ bounds their least-kept row
+    /// too (m̲ = min(m̂, ŵ) − δ), so that a mask dropping a far key they attend to is not
+    /// eligible; keep: their query blocks list the key blocks they attend to most until each
+    /// keeps τ of its mass, and m̲ bounds the mean
+    #[arg(long, value_name = "MODE", num_args = 0..=1, default_value = "mean", default_missing_value = "bound",
+          require_equals = true, value_parser = ["mean", "bound", "keep"])]
+    pub prefill_recent_rows: String,
     /// δ, the calibrated quantile of the probe's mass overestimate, from this file [default:
     /// the one `sift gpu-profile --calibrate` wrote for the model; 0.05 without one]
     #[arg(long, value_name = "FILE")]
@@ -265,7 +268,7 @@ impl GpuArgs {
             pattern,
             budget: self.prefill_budget,
             tau: self.prefill_tau,
-            recent_rows: self.prefill_recent_rows,
+            recent_rows: self.prefill_recent_rows.parse().map_err(Usage)?,
             audit: self.prefill_audit,
             report: self.prefill_report.clone(),
             ..RouteSettings::default()

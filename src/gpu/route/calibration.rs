@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::candidates::Pattern;
+use super::RecentRows;
 
 /// One calibration case (a layer, KV head and sparse candidate): the probe's
 /// estimates against the mass m the candidate's mask truly keeps.
@@ -106,17 +107,17 @@ impl CalibrationFile {
     }
 
     /// The δ of the bound in use: the recent-rows one when `recent_rows`
-    /// and the file has it, else the mean's.
-    pub fn delta_for(&self, recent_rows: bool) -> f64 {
+    /// bounds them and the file has it, else the mean's.
+    pub fn delta_for(&self, recent_rows: RecentRows) -> f64 {
         match (recent_rows, self.delta_recent) {
-            (true, Some(d)) => d,
+            (RecentRows::Bound, Some(d)) => d,
             _ => self.delta,
         }
     }
 
     /// Each pattern's δ of the bound in use, as [`Self::delta_for`] picks.
-    pub fn pattern_deltas(&self, recent_rows: bool) -> Vec<(Pattern, f64)> {
-        let recent = recent_rows && self.delta_recent.is_some();
+    pub fn pattern_deltas(&self, recent_rows: RecentRows) -> Vec<(Pattern, f64)> {
+        let recent = recent_rows == RecentRows::Bound && self.delta_recent.is_some();
         self.patterns.iter().map(|p| (p.pattern, if recent { p.delta_recent } else { p.delta })).collect()
     }
 
@@ -177,9 +178,11 @@ mod tests {
         .unwrap();
         // The 95th of 100 sorted residuals: 0.094 − 0.02.
         assert!((c.delta - 0.074).abs() < 1e-12, "{c:?}");
-        assert!((c.delta_for(true) - 0.064).abs() < 1e-12, "{c:?}");
+        assert!((c.delta_for(RecentRows::Bound) - 0.064).abs() < 1e-12, "{c:?}");
+        // Widened recent rows are bounded with the mean, as without them.
+        assert_eq!(c.delta_for(RecentRows::Keep), c.delta);
         assert_eq!(c.patterns.len(), 1, "{c:?}");
-        assert_eq!(c.pattern_deltas(false), vec![(Pattern::BlockSparse, c.delta)]);
+        assert_eq!(c.pattern_deltas(RecentRows::Mean), vec![(Pattern::BlockSparse, c.delta)]);
         // Over both patterns, the 190th of 200: A-shape's 90th, 0.089 + 0.48.
         let both = CalibrationFile::from_residuals(&residuals, 0.95, "m".into(), vec![], 0).unwrap();
         assert!((both.delta - 0.569).abs() < 1e-12, "{both:?}");
@@ -188,13 +191,13 @@ mod tests {
         // Routing bounds each pattern by its own δ: block-sparse's, not the pooled one.
         let settings = crate::gpu::route::RouteSettings {
             delta: both.delta,
-            pattern_deltas: both.pattern_deltas(false),
+            pattern_deltas: both.pattern_deltas(RecentRows::Mean),
             ..Default::default()
         };
         assert!((settings.delta_of(Pattern::BlockSparse) - 0.074).abs() < 1e-12, "{settings:?}");
         assert_eq!(settings.delta_of(Pattern::VerticalSlash), both.delta);
         let low = [Residual { pattern: Pattern::AShape, mean: -0.1, recent: -0.2 }];
         let low = CalibrationFile::from_residuals(&low, 0.95, "m".into(), vec![], 0).unwrap();
-        assert_eq!((low.delta, low.delta_for(true)), (0.0, 0.0));
+        assert_eq!((low.delta, low.delta_for(RecentRows::Bound)), (0.0, 0.0));
     }
 }

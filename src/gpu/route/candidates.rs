@@ -21,7 +21,7 @@
 
 use std::sync::Arc;
 
-use super::index::{BlockSparse, ListedBlocks, Mask, Union, VerticalSlash};
+use super::index::{BlockSparse, ListedBlocks, Mask, Union, VerticalSlash, Widened};
 use super::probe::{Probe, ProbeRows, Subset, COLUMNS, TOP_BLOCKS};
 use crate::gpu::attention::BLOCK;
 
@@ -299,6 +299,83 @@ pub fn estimate(mask: &Mask, probe: &Probe, rows: &ProbeRows, h: usize, lines: &
     Estimate { mass, disagreement: if spread.is_finite() { spread } else { 0.0 }, worst_recent }
 }
 
+/// `mask` (of KV head `h`, whose ranked lines are `lines`) with more key
+/// blocks for the query blocks of the probe's recent rows, so that each of
+/// those rows keeps at least `target` of its mass as the probe measures it
+/// (each row's block masses and its own probabilities of the single columns:
+/// the same sums as [`estimate`]). A query block takes the key blocks it
+/// does not list in the order of its recent rows' summed mass in them
+/// (beyond the single columns already counted there), best first, until no
+/// recent row is under `target` or no block is left. Dense is left as it is.
+pub fn keep_recent(mask: Mask, probe: &Probe, rows: &ProbeRows, h: usize, lines: &HeadLines, target: f64) -> Mask {
+    if mask == Mask::Dense {
+        return mask;
+    }
+    let columns = &lines.columns[..mask.columns().len()];
+    let recent = &rows.positions[..rows.recent];
+    let mut query_blocks: Vec<u32> = recent.iter().map(|&t| t / BLOCK).collect();
+    query_blocks.sort_unstable();
+    query_blocks.dedup();
+    let mut extra = Vec::new();
+    let mut blocks = Vec::new();
+    for b in query_blocks {
+        mask.blocks(b, &mut blocks);
+        let width = b as usize + 1;
+        let mut listed = vec![false; width];
+        for &kb in &blocks {
+            listed[kb as usize] = true;
+        }
+        // Per recent row of the block: the mass it keeps, and what each key
+        // block not listed would add to it.
+        let members: Vec<usize> = (0..rows.recent).filter(|&r| recent[r] / BLOCK == b).collect();
+        let mut kept = vec![0.0f64; members.len()];
+        let mut gain = vec![0.0f64; members.len() * width];
+        for (i, &r) in members.iter().enumerate() {
+            let mass = probe.mass(h, r);
+            let gain = &mut gain[i * width..][..width];
+            for kb in 0..width {
+                match listed[kb] {
+                    true => kept[i] += mass[kb] as f64,
+                    false => gain[kb] = mass[kb] as f64,
+                }
+            }
+            let p = match columns.is_empty() {
+                true => &[][..],
+                false => probe.column_mass(h, r),
+            };
+            for (&j, &p) in columns.iter().zip(p) {
+                let kb = (j / BLOCK) as usize;
+                if kb < b as usize && !listed[kb] {
+                    kept[i] += p as f64;
+                    gain[kb] -= p as f64;
+                }
+            }
+        }
+        let summed = |kb: usize| -> f64 { (0..members.len()).map(|i| gain[i * width + kb]).sum() };
+        let mut order: Vec<(f64, u32)> =
+            (0..width).filter(|&kb| !listed[kb]).map(|kb| (summed(kb), kb as u32)).collect();
+        order.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut added = Vec::new();
+        for (_, kb) in order {
+            if kept.iter().all(|&k| k >= target) {
+                break;
+            }
+            added.push(kb);
+            for (i, k) in kept.iter_mut().enumerate() {
+                *k += gain[i * width + kb as usize];
+            }
+        }
+        if !added.is_empty() {
+            added.sort_unstable();
+            extra.push((b, added));
+        }
+    }
+    match extra.is_empty() {
+        true => mask,
+        false => Mask::Widened(Widened { base: Box::new(mask), extra }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::probe::NO_BLOCK;
@@ -411,6 +488,44 @@ mod tests {
         let e = estimate(&mask, &probe, &rows, 0, &lines);
         assert!((e.worst_recent - 1.0).abs() < 1e-6, "{e:?}");
         assert!((e.mass - 1.0).abs() < 1e-6, "{e:?}");
+    }
+
+    #[test]
+    fn keeping_the_recent_rows_adds_the_blocks_they_need_to_their_query_block() {
+        // The second recent row puts 0.7 of its mass on key block 1, which
+        // A-shape [1, 1] drops: kept 0.3.
+        let probe = two_rows_over_three_blocks(vec![0.5, 0.1, 0.4, 0.1, 0.7, 0.2]);
+        let rows = ProbeRows { positions: vec![191, 190], subsets: vec![Subset::Recent; 2], recent: 2, chunk: 2 };
+        let ashape = Mask::AShape { sink_blocks: 1, local_blocks: 1 };
+        let kept = keep_recent(ashape.clone(), &probe, &rows, 0, &no_lines(), 0.8);
+        let mut blocks = Vec::new();
+        kept.blocks(2, &mut blocks);
+        assert_eq!(blocks, vec![0, 1, 2]);
+        // Other query blocks are the mask's.
+        kept.blocks(1, &mut blocks);
+        assert_eq!(blocks, vec![0, 1]);
+        assert_eq!(kept.visited_keys(0..3), ashape.visited_keys(0..3) + 64.0);
+        let e = estimate(&kept, &probe, &rows, 0, &no_lines());
+        assert!((e.worst_recent - 1.0).abs() < 1e-6 && (e.mass - 1.0).abs() < 1e-6, "{e:?}");
+        // Rows that already keep the target leave the mask as it is.
+        assert_eq!(keep_recent(ashape.clone(), &probe, &rows, 0, &no_lines(), 0.3), ashape);
+        assert_eq!(keep_recent(Mask::Dense, &probe, &rows, 0, &no_lines(), 1.0), Mask::Dense);
+    }
+
+    #[test]
+    fn keeping_the_recent_rows_counts_the_columns_a_new_block_takes_in_once() {
+        // Vertical-slash [3, 0]: blocks 0 and 2, columns 100 and 70 (block 1)
+        // single; the recent row keeps 0.89, 0.09 of it in those columns.
+        let (probe, lines, rows) = rows_with_columns();
+        let mask = Candidate { pattern: Pattern::VerticalSlash, budget: [3, 0] }.mask(&probe, &lines, 0);
+        assert_eq!(keep_recent(mask.clone(), &probe, &rows, 0, &lines, 0.89), mask);
+        // Block 1 adds its 0.2 less the 0.09 already counted: 1.0.
+        let kept = keep_recent(mask, &probe, &rows, 0, &lines, 0.95);
+        let (mut blocks, mut columns) = (Vec::new(), Vec::new());
+        kept.keys(2, &mut blocks, &mut columns);
+        assert_eq!((blocks, columns), (vec![0, 1, 2], vec![]));
+        let e = estimate(&kept, &probe, &rows, 0, &lines);
+        assert!((e.worst_recent - 1.0).abs() < 1e-6, "{e:?}");
     }
 
     #[test]

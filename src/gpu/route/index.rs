@@ -46,6 +46,23 @@ pub enum Mask {
     VerticalSlash(VerticalSlash),
     BlockSparse(BlockSparse),
     Union(Union),
+    /// A mask with more key blocks for a few query blocks.
+    Widened(Widened),
+}
+
+/// A mask and, for a few query blocks (those of the probe's recent rows),
+/// key blocks it does not list (`RecentRows::Keep`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Widened {
+    pub base: Box<Mask>,
+    /// Per query block, ascending, its added key blocks, ascending.
+    pub extra: Vec<(u32, Vec<u32>)>,
+}
+
+impl Widened {
+    fn extra(&self, b: u32) -> &[u32] {
+        self.extra.binary_search_by_key(&b, |e| e.0).map_or(&[][..], |i| &self.extra[i].1)
+    }
 }
 
 /// A vertical-slash mask and, per query block, the first `extra` blocks of a
@@ -192,6 +209,7 @@ impl Mask {
     pub fn columns(&self) -> &[u32] {
         match self {
             Mask::VerticalSlash(v) | Mask::Union(Union { slash: v, .. }) => &v.columns,
+            Mask::Widened(w) => w.base.columns(),
             _ => &[],
         }
     }
@@ -221,6 +239,12 @@ impl Mask {
                 blocks.sort_unstable();
                 blocks.dedup();
             }
+            Mask::Widened(w) => {
+                w.base.blocks(b, blocks);
+                blocks.extend_from_slice(w.extra(b));
+                blocks.sort_unstable();
+                blocks.dedup();
+            }
         }
     }
 
@@ -230,23 +254,26 @@ impl Mask {
     /// ranked block lists cut short by their ranking (a union's list may
     /// also run out of blocks its diagonals leave out before `extra`).
     pub fn visited_keys(&self, query_blocks: std::ops::Range<u32>) -> f64 {
-        let blocks = |b: u32| -> u64 {
-            match self {
-                Mask::Dense => b as u64 + 1,
-                Mask::AShape { sink_blocks, local_blocks } => {
-                    let local = (b + 1).saturating_sub(*local_blocks);
-                    ((*sink_blocks).min(local) + b + 1 - local) as u64
-                }
-                Mask::VerticalSlash(v) => v.block_count(b),
-                Mask::BlockSparse(s) => (s.budget as u64).min(b.saturating_sub(1) as u64) + u64::from(b > 0) + 1,
-                Mask::Union(u) => {
-                    let whole = u.slash.block_count(b);
-                    whole + (u.extra as u64).min(b as u64 + 1 - whole)
-                }
-            }
-        };
         let columns = |b: u32| self.columns().partition_point(|&j| j < (b + 1) * BLOCK) as u64;
-        query_blocks.map(|b| (blocks(b) * B as u64 + columns(b)) as f64).sum()
+        query_blocks.map(|b| (self.block_count(b) * B as u64 + columns(b)) as f64).sum()
+    }
+
+    /// How many key blocks query block `b` lists, as [`Self::visited_keys`] counts them.
+    fn block_count(&self, b: u32) -> u64 {
+        match self {
+            Mask::Dense => b as u64 + 1,
+            Mask::AShape { sink_blocks, local_blocks } => {
+                let local = (b + 1).saturating_sub(*local_blocks);
+                ((*sink_blocks).min(local) + b + 1 - local) as u64
+            }
+            Mask::VerticalSlash(v) => v.block_count(b),
+            Mask::BlockSparse(s) => (s.budget as u64).min(b.saturating_sub(1) as u64) + u64::from(b > 0) + 1,
+            Mask::Union(u) => {
+                let whole = u.slash.block_count(b);
+                whole + (u.extra as u64).min(b as u64 + 1 - whole)
+            }
+            Mask::Widened(w) => w.base.block_count(b) + w.extra(b).len() as u64,
+        }
     }
 
     /// The pattern's name in reports and on the command line.
@@ -257,6 +284,7 @@ impl Mask {
             Mask::VerticalSlash(_) => "vslash",
             Mask::BlockSparse(_) => "blocksparse",
             Mask::Union(_) => "union",
+            Mask::Widened(w) => w.base.name(),
         }
     }
 }

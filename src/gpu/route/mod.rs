@@ -38,11 +38,9 @@ pub struct RouteSettings {
     pub budget: f64,
     /// Dense fallback when m̲ < τ.
     pub tau: f64,
-    /// m̲ bounds the least-kept recent probe row too, not only the mean:
-    /// m̲ = max(0, min(m̂, ŵ) − δ_q). A mask that drops a far block the
-    /// prompt's last queries attend to (a needle) loses much of one row's
-    /// mass and little of the mean.
-    pub recent_rows: bool,
+    /// What the probe's recent rows (the prompt's last queries, which read
+    /// the answer) add to the mean bound.
+    pub recent_rows: RecentRows,
     /// The weight of the probe subsets' disagreement in the risk.
     pub alpha: f64,
     /// δ_q, and where it came from (for the report).
@@ -66,6 +64,44 @@ impl RouteSettings {
     }
 }
 
+/// How the recent probe rows weigh in a candidate's lower mass bound. A mask
+/// that drops a far block the prompt's last queries attend to (a needle)
+/// loses much of one row's mass and little of the mean.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RecentRows {
+    /// m̲ = max(0, m̂ − δ_q), the seed's bound on the mean alone.
+    #[default]
+    Mean,
+    /// m̲ bounds the least-kept recent row too: m̲ = max(0, min(m̂, ŵ) − δ_q).
+    Bound,
+    /// The query blocks of the recent rows list, beyond the mask's own key
+    /// blocks, those the rows attend to most, until each of them keeps τ of
+    /// its mass as the probe measures it ([`candidates::keep_recent`]); m̲
+    /// bounds the mean, the recent rows in it.
+    Keep,
+}
+
+impl RecentRows {
+    pub const ALL: [RecentRows; 3] = [RecentRows::Mean, RecentRows::Bound, RecentRows::Keep];
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            RecentRows::Mean => "mean",
+            RecentRows::Bound => "bound",
+            RecentRows::Keep => "keep",
+        }
+    }
+}
+
+impl std::str::FromStr for RecentRows {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL.into_iter().find(|r| r.name() == s).ok_or_else(|| format!("unknown recent-rows mode '{s}'"))
+    }
+}
+
 impl Default for RouteSettings {
     fn default() -> Self {
         let delta = 0.05;
@@ -73,7 +109,7 @@ impl Default for RouteSettings {
             pattern: None,
             budget: 0.25,
             tau: 0.95,
-            recent_rows: false,
+            recent_rows: RecentRows::Mean,
             alpha: 0.5,
             delta,
             pattern_deltas: Vec::new(),

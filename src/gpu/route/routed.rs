@@ -28,12 +28,12 @@ use rayon::prelude::*;
 use wgpu::Buffer;
 
 use super::calibration::Residual;
-use super::candidates::{estimate, Candidate, Estimate, HeadLines, Pattern};
+use super::candidates::{estimate, keep_recent, Candidate, Estimate, HeadLines, Pattern};
 use super::index::{value_norm_max, Mask, SparseIndex};
-use super::probe::{ProbeKernels, ProbeRows};
+use super::probe::{Probe, ProbeKernels, ProbeRows};
 use super::profile::LatencyProfile;
 use super::router::{route, Choice};
-use super::RouteSettings;
+use super::{RecentRows, RouteSettings};
 use crate::gpu::attention::{Attention, AttentionShape, KvHeads, BLOCK};
 use crate::gpu::report::{CandidateReport, HeadAudit, HeadReport, LayerReport, PrefillReport};
 use crate::gpu::{GpuContext, GpuError, KernelPath};
@@ -156,7 +156,7 @@ impl RoutedAttention {
                 library
                     .par_iter()
                     .map(|&c| {
-                        let mask = c.mask(&probe, lines, h);
+                        let mask = self.widened(c.mask(&probe, lines, h), &probe, &rows, h, lines);
                         let e = estimate(&mask, &probe, &rows, h, lines);
                         (c, mask, e)
                     })
@@ -164,7 +164,10 @@ impl RoutedAttention {
             })
             .collect();
         let lower = |pattern: Pattern, e: &Estimate| {
-            let kept = if self.settings.recent_rows { e.mass.min(e.worst_recent) } else { e.mass };
+            let kept = match self.settings.recent_rows {
+                RecentRows::Bound => e.mass.min(e.worst_recent),
+                RecentRows::Mean | RecentRows::Keep => e.mass,
+            };
             (kept - self.settings.delta_of(pattern)).max(0.0)
         };
         let time = |c: Candidate, mask: &Mask| {
@@ -227,7 +230,8 @@ impl RoutedAttention {
         // CPU spells out and uploads the sparse choices' lists.
         let lists_started = Instant::now();
         for (h, c) in chosen.iter_mut().enumerate().filter(|(_, c)| c.candidate.pattern.reads_lists()) {
-            c.mask = c.candidate.full_mask(&probe, &lines[h], h, || probe.head_lists(ctx, h))?;
+            let mask = c.candidate.full_mask(&probe, &lines[h], h, || probe.head_lists(ctx, h))?;
+            c.mask = self.widened(mask, &probe, &rows, h, &lines[h]);
         }
         let mut lists_ms = lists_started.elapsed().as_secs_f64() * 1e3;
         let is_dense = |c: &Chosen| c.mask == Mask::Dense;
@@ -344,6 +348,18 @@ impl RoutedAttention {
         Ok(())
     }
 
+    /// `mask` of KV head `h` with the recent rows' query blocks widened until
+    /// each of those rows keeps τ, when the settings keep them
+    /// ([`RecentRows::Keep`]); else `mask`. A mask's recent query blocks list
+    /// the same blocks whether it lists only the probe's query blocks or all
+    /// of them, so both forms are widened alike.
+    fn widened(&self, mask: Mask, probe: &Probe, rows: &ProbeRows, h: usize, lines: &HeadLines) -> Mask {
+        match self.settings.recent_rows {
+            RecentRows::Keep => keep_recent(mask, probe, rows, h, lines, self.settings.tau),
+            RecentRows::Mean | RecentRows::Bound => mask,
+        }
+    }
+
     /// Per KV head: the relative error against dense attention over the
     /// chunk, the mean per-row L2 error, and the mean true mass on the audit
     /// rows (1 for the heads `index` does not list, which ran dense); and the
@@ -450,7 +466,7 @@ impl RoutedAttention {
         ctx: &GpuContext,
         shape: &AttentionShape,
         qk: [&Buffer; 2],
-        probe: &super::probe::Probe,
+        probe: &Probe,
         rows: &ProbeRows,
         lines: &[HeadLines],
     ) -> Result<(), GpuError> {
@@ -459,7 +475,10 @@ impl RoutedAttention {
         let head_lists = (0..hk).map(|h| probe.head_lists(ctx, h)).collect::<Result<Vec<_>, _>>()?;
         for c in Candidate::library().iter().filter(|c| c.pattern != Pattern::Dense) {
             let masks = (0..hk)
-                .map(|h| c.full_mask(probe, &lines[h], h, || Ok(head_lists[h].clone())))
+                .map(|h| {
+                    let mask = c.full_mask(probe, &lines[h], h, || Ok(head_lists[h].clone()))?;
+                    Ok(self.widened(mask, probe, rows, h, &lines[h]))
+                })
                 .collect::<Result<Vec<Mask>, GpuError>>()?;
             let refs: Vec<Option<&Mask>> = masks.iter().map(Some).collect();
             let index = SparseIndex::new(&refs, shape.kv_len()).upload(ctx)?;
