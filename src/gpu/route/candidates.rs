@@ -325,44 +325,55 @@ pub fn keep_recent(mask: Mask, probe: &Probe, rows: &ProbeRows, h: usize, lines:
         for &kb in &blocks {
             listed[kb as usize] = true;
         }
-        // Per recent row of the block: the mass it keeps, and what each key
-        // block not listed would add to it.
         let members: Vec<usize> = (0..rows.recent).filter(|&r| recent[r] / BLOCK == b).collect();
-        let mut kept = vec![0.0f64; members.len()];
-        let mut gain = vec![0.0f64; members.len() * width];
-        for (i, &r) in members.iter().enumerate() {
-            let mass = probe.mass(h, r);
-            let gain = &mut gain[i * width..][..width];
-            for kb in 0..width {
-                match listed[kb] {
-                    true => kept[i] += mass[kb] as f64,
-                    false => gain[kb] = mass[kb] as f64,
-                }
+        // The single columns outside the listed blocks, by key block: (key
+        // block, rank).
+        let mut single: Vec<(u32, usize)> = (columns.iter().enumerate())
+            .map(|(i, &j)| (j / BLOCK, i))
+            .filter(|&(kb, _)| kb < b && !listed[kb as usize])
+            .collect();
+        single.sort_unstable();
+        let columns_in = |kb: u32| {
+            let from = single.partition_point(|&(c, _)| c < kb);
+            &single[from..from + single[from..].partition_point(|&(c, _)| c == kb)]
+        };
+        let column_mass = |r: usize, of: &[(u32, usize)]| -> f64 {
+            match of.is_empty() {
+                true => 0.0,
+                false => of.iter().map(|&(_, i)| probe.column_mass(h, r)[i] as f64).sum(),
             }
-            let p = match columns.is_empty() {
-                true => &[][..],
-                false => probe.column_mass(h, r),
-            };
-            for (&j, &p) in columns.iter().zip(p) {
-                let kb = (j / BLOCK) as usize;
-                if kb < b as usize && !listed[kb] {
-                    kept[i] += p as f64;
-                    gain[kb] -= p as f64;
-                }
+        };
+        let mut kept: Vec<f64> = (members.iter())
+            .map(|&r| {
+                blocks.iter().map(|&kb| probe.mass(h, r)[kb as usize] as f64).sum::<f64>() + column_mass(r, &single)
+            })
+            .collect();
+        let short = |kept: &[f64]| kept.iter().any(|&k| k < target);
+        if !short(&kept) {
+            continue;
+        }
+        // What each key block not listed would add, summed over the rows.
+        let mut gain = vec![0.0f64; width];
+        for &r in &members {
+            let mass = probe.mass(h, r);
+            for kb in (0..width).filter(|&kb| !listed[kb]) {
+                gain[kb] += mass[kb] as f64;
             }
         }
-        let summed = |kb: usize| -> f64 { (0..members.len()).map(|i| gain[i * width + kb]).sum() };
-        let mut order: Vec<(f64, u32)> =
-            (0..width).filter(|&kb| !listed[kb]).map(|kb| (summed(kb), kb as u32)).collect();
-        order.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for &(kb, i) in &single {
+            gain[kb as usize] -= members.iter().map(|&r| probe.column_mass(h, r)[i] as f64).sum::<f64>();
+        }
+        let mut order: Vec<u32> = (0..width as u32).filter(|&kb| !listed[kb as usize]).collect();
+        order.sort_unstable_by(|&x, &y| gain[y as usize].total_cmp(&gain[x as usize]).then(x.cmp(&y)));
         let mut added = Vec::new();
-        for (_, kb) in order {
-            if kept.iter().all(|&k| k >= target) {
+        for kb in order {
+            if !short(&kept) {
                 break;
             }
             added.push(kb);
-            for (i, k) in kept.iter_mut().enumerate() {
-                *k += gain[i * width + kb as usize];
+            let inside = columns_in(kb);
+            for (k, &r) in kept.iter_mut().zip(&members) {
+                *k += probe.mass(h, r)[kb as usize] as f64 - column_mass(r, inside);
             }
         }
         if !added.is_empty() {

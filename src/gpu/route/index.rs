@@ -289,6 +289,9 @@ impl Mask {
     }
 }
 
+/// Query blocks whose lists [`SparseIndex::new`] spells out as one task.
+const LIST_RUN: u32 = 64;
+
 /// The key lists of the KV heads a sparse dispatch computes, as the sparse
 /// kernel reads them.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -319,13 +322,17 @@ impl SparseIndex {
             column_offsets: vec![0],
             ..Self::default()
         };
-        // Each head's lists with offsets from 0, made in parallel, then laid end to end.
-        let heads: Vec<[Vec<u32>; 4]> = masks
-            .par_iter()
-            .map(|mask| {
+        // The lists of runs of query blocks of each head, with offsets from
+        // 0, made in parallel (a head's runs too: a wide mask's thousands of
+        // blocks per query block take one core long), then laid end to end.
+        let runs = query_blocks.div_ceil(LIST_RUN);
+        let pieces: Vec<[Vec<u32>; 4]> = (0..masks.len() as u32 * runs)
+            .into_par_iter()
+            .map(|piece| {
+                let (mask, first) = (masks[(piece / runs) as usize], (piece % runs) * LIST_RUN);
                 let (mut blocks, mut columns) = (Vec::new(), Vec::new());
                 let mut lists: [Vec<u32>; 4] = Default::default();
-                for b in 0..query_blocks {
+                for b in first..(first + LIST_RUN).min(query_blocks) {
                     if let Some(mask) = mask {
                         mask.keys(b, &mut blocks, &mut columns);
                         lists[0].extend_from_slice(&blocks);
@@ -337,7 +344,7 @@ impl SparseIndex {
                 lists
             })
             .collect();
-        for [blocks, block_ends, columns, column_ends] in heads {
+        for [blocks, block_ends, columns, column_ends] in pieces {
             let (b0, c0) = (index.blocks.len() as u32, index.columns.len() as u32);
             index.block_offsets.extend(block_ends.iter().map(|e| b0 + e));
             index.column_offsets.extend(column_ends.iter().map(|e| c0 + e));
@@ -549,5 +556,23 @@ mod tests {
         assert!(index.sees(0, 150, 70) && !index.sees(0, 199, 150) && index.sees(0, 199, 3));
         assert!(index.sees(1, 199, 150) && !index.sees(1, 150, 151));
         assert!((index.density(1) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_index_lists_every_query_block_of_every_head_across_its_runs() {
+        // 300 query blocks: runs of LIST_RUN, the last one short; a head
+        // between two others that has no lists.
+        let slash = Mask::VerticalSlash(VerticalSlash::new(vec![5, 700, 6000], vec![64, 1000]));
+        let ashape = Mask::AShape { sink_blocks: 1, local_blocks: 3 };
+        let masks = [Some(&slash), None, Some(&ashape)];
+        let index = SparseIndex::new(&masks, 300 * BLOCK - 10);
+        assert_eq!(index.block_offsets.len(), 3 * 300 + 1);
+        for (h, mask) in masks.iter().enumerate() {
+            for b in 0..300 {
+                let expected = mask.map_or_else(|| (vec![], vec![]), |m| keys(m, b));
+                let (blocks, columns) = index.keys(h as u32, b);
+                assert_eq!((blocks.to_vec(), columns.to_vec()), expected, "head {h}, query block {b}");
+            }
+        }
     }
 }

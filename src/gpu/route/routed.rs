@@ -229,9 +229,16 @@ impl RoutedAttention {
         // heads' dispatch is submitted, and the GPU computes them while the
         // CPU spells out and uploads the sparse choices' lists.
         let lists_started = Instant::now();
-        for (h, c) in chosen.iter_mut().enumerate().filter(|(_, c)| c.candidate.pattern.reads_lists()) {
-            let mask = c.candidate.full_mask(&probe, &lines[h], h, || probe.head_lists(ctx, h))?;
-            c.mask = self.widened(mask, &probe, &rows, h, &lines[h]);
+        // In parallel over the heads: each reads back megabytes of lists.
+        let full_masks = (chosen.par_iter().enumerate())
+            .filter(|(_, c)| c.candidate.pattern.reads_lists())
+            .map(|(h, c)| {
+                let mask = c.candidate.full_mask(&probe, &lines[h], h, || probe.head_lists(ctx, h))?;
+                Ok((h, self.widened(mask, &probe, &rows, h, &lines[h])))
+            })
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        for (h, mask) in full_masks {
+            chosen[h].mask = mask;
         }
         let mut lists_ms = lists_started.elapsed().as_secs_f64() * 1e3;
         let is_dense = |c: &Chosen| c.mask == Mask::Dense;
