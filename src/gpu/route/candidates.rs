@@ -529,7 +529,7 @@ mod tests {
         // single; the recent row keeps 0.89, 0.09 of it in those columns.
         let (probe, lines, rows) = rows_with_columns();
         let mask = Candidate { pattern: Pattern::VerticalSlash, budget: [3, 0] }.mask(&probe, &lines, 0);
-        assert_eq!(keep_recent(mask.clone(), &probe, &rows, 0, &lines, 0.89), mask);
+        assert_eq!(keep_recent(mask.clone(), &probe, &rows, 0, &lines, 0.88), mask);
         // Block 1 adds its 0.2 less the 0.09 already counted: 1.0.
         let kept = keep_recent(mask, &probe, &rows, 0, &lines, 0.95);
         let (mut blocks, mut columns) = (Vec::new(), Vec::new());
