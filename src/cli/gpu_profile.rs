@@ -78,8 +78,8 @@ pub struct GpuProfileArgs {
     /// --compare and --calibrate: what the probe's recent rows add to the lower mass bound
     /// (mean, bound or keep: see `sift run`'s flag)
     #[arg(long, value_name = "MODE", num_args = 0..=1, default_value = "mean", default_missing_value = "bound",
-          require_equals = true, value_parser = ["mean", "bound", "keep"])]
-    prefill_recent_rows: String,
+          require_equals = true, value_parser = super::recent_rows_parser())]
+    prefill_recent_rows: RecentRows,
     /// Instead of profiling, prefill passages of these texts on the GPU and keep each passage's
     /// queries, keys and values at the global layers under --capture-dir
     #[arg(long, value_name = "FILE", num_args = 1.., requires = "capture_dir")]
@@ -150,9 +150,8 @@ pub fn run(args: GpuProfileArgs) -> anyhow::Result<()> {
     };
     let settings: Vec<(f64, f64)> =
         args.prefill_tau.iter().flat_map(|&tau| args.prefill_budget.iter().map(move |&budget| (budget, tau))).collect();
-    let recent_rows: RecentRows = args.prefill_recent_rows.parse().map_err(Usage)?;
     for &n in &args.compare {
-        compare(&ctx, path, shape, n, &profile, &inputs, &settings, recent_rows, args.runs)?;
+        compare(&ctx, path, shape, n, &profile, &inputs, &settings, args.prefill_recent_rows, args.runs)?;
     }
     Ok(())
 }
@@ -629,7 +628,7 @@ fn calibrate(args: &GpuProfileArgs, policy: AdapterPolicy) -> anyhow::Result<()>
     let settings = RouteSettings {
         pattern: Some(Pattern::BlockSparse),
         calibrate: true,
-        recent_rows: args.prefill_recent_rows.parse().map_err(Usage)?,
+        recent_rows: args.prefill_recent_rows,
         tau: args.prefill_tau[0],
         ..RouteSettings::default()
     };

@@ -16,6 +16,7 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
+use clap::builder::TypedValueParser;
 use clap::{Args, CommandFactory, Parser, Subcommand};
 use sift::audit::{AuditError, AuditLog};
 use sift::chat::{ChatError, ChatTemplate, Origin};
@@ -24,7 +25,7 @@ use sift::engine::{EngineError, Session};
 use sift::gguf::{GgufError, GgufFile, Residence};
 use sift::gpu::on_demand::{GpuMode, OnDemand, PrefillOptions};
 use sift::gpu::route::calibration::CalibrationFile;
-use sift::gpu::route::{Pattern, RouteSettings};
+use sift::gpu::route::{Pattern, RecentRows, RouteSettings};
 use sift::gpu::{GpuError, KernelError};
 use sift::kv::{KvMode, Storage};
 use sift::model::{Model, ModelError};
@@ -149,6 +150,11 @@ pub struct CacheArgs {
     pub kv_cache: KvMode,
 }
 
+/// `--prefill-recent-rows`'s values: the modes' names, listed in `--help`.
+fn recent_rows_parser() -> impl TypedValueParser<Value = RecentRows> {
+    clap::builder::PossibleValuesParser::new(RecentRows::ALL.map(RecentRows::name)).try_map(|s| s.parse::<RecentRows>())
+}
+
 /// Where prompts are prefilled, for every command that runs the model.
 #[derive(Args, Clone)]
 pub struct GpuArgs {
@@ -188,8 +194,8 @@ pub struct GpuArgs {
     /// eligible; keep: their query blocks list the key blocks they attend to most until each
     /// keeps τ of its mass, and m̲ bounds the mean
     #[arg(long, value_name = "MODE", num_args = 0..=1, default_value = "mean", default_missing_value = "bound",
-          require_equals = true, value_parser = ["mean", "bound", "keep"])]
-    pub prefill_recent_rows: String,
+          require_equals = true, value_parser = recent_rows_parser())]
+    pub prefill_recent_rows: RecentRows,
     /// δ, the calibrated quantile of the probe's mass overestimate, from this file [default:
     /// the one `sift gpu-profile --calibrate` wrote for the model; 0.05 without one]
     #[arg(long, value_name = "FILE")]
@@ -268,7 +274,7 @@ impl GpuArgs {
             pattern,
             budget: self.prefill_budget,
             tau: self.prefill_tau,
-            recent_rows: self.prefill_recent_rows.parse().map_err(Usage)?,
+            recent_rows: self.prefill_recent_rows,
             audit: self.prefill_audit,
             report: self.prefill_report.clone(),
             ..RouteSettings::default()

@@ -337,12 +337,8 @@ pub fn keep_recent(mask: Mask, probe: &Probe, rows: &ProbeRows, h: usize, lines:
             let from = single.partition_point(|&(c, _)| c < kb);
             &single[from..from + single[from..].partition_point(|&(c, _)| c == kb)]
         };
-        let column_mass = |r: usize, of: &[(u32, usize)]| -> f64 {
-            match of.is_empty() {
-                true => 0.0,
-                false => of.iter().map(|&(_, i)| probe.column_mass(h, r)[i] as f64).sum(),
-            }
-        };
+        let column_mass =
+            |r: usize, of: &[(u32, usize)]| -> f64 { of.iter().map(|&(_, i)| probe.column_mass(h, r)[i] as f64).sum() };
         let mut kept: Vec<f64> = (members.iter())
             .map(|&r| {
                 blocks.iter().map(|&kb| probe.mass(h, r)[kb as usize] as f64).sum::<f64>() + column_mass(r, &single)
@@ -381,9 +377,10 @@ pub fn keep_recent(mask: Mask, probe: &Probe, rows: &ProbeRows, h: usize, lines:
             extra.push((b, added));
         }
     }
-    match extra.is_empty() {
-        true => mask,
-        false => Mask::Widened(Widened { base: Box::new(mask), extra }),
+    if extra.is_empty() {
+        mask
+    } else {
+        Mask::Widened(Widened { base: Box::new(mask), extra })
     }
 }
 
