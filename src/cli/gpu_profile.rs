@@ -402,8 +402,9 @@ fn compare(
             "compare N={n} {hq}/{hk} heads d={d} ({}), τ {tau}, budget {budget}, recent rows {}, δ {delta:.4}, \
              {runs} alternating runs after a warm-up of each: dense {:.2} ms (GPU timestamps), routed {:.2} ms \
              (wall clock, readbacks included), medians; dense/routed {:.2}x (median of the runs' ratios); \
-             the median run's routed time: probe {:.2} + index {:.2} GPU, routing {:.2} + lists {:.2} CPU, \
-             kernel {:.2} GPU = dense {:.2} + sparse {:.2}; chunks not routed (wall clock) {:.2}",
+             the median run's routed time: probe {:.2} + index {:.2} GPU, routing {:.2} + lists {:.2} CPU \
+             (the GPU waiting for lists {:.2}), kernel {:.2} GPU = dense {:.2} + sparse {:.2}; chunks not routed \
+             (wall clock) {:.2}",
             inputs.describe(false),
             recent_rows.name(),
             median(&dense_samples),
@@ -413,6 +414,7 @@ fn compare(
             timing.index_ms,
             timing.routing_ms,
             timing.lists_ms,
+            timing.lists_waited_ms,
             timing.kernel_ms,
             timing.dense_kernel_ms,
             timing.sparse_kernel_ms,

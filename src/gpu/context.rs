@@ -16,6 +16,7 @@
 //! for every batch without waiting for the previous one.
 
 use std::collections::HashMap;
+use std::marker::PhantomData;
 use std::sync::{mpsc, Mutex, MutexGuard};
 
 use bytemuck::Pod;
@@ -302,14 +303,23 @@ impl GpuContext {
     /// Reads `len` elements of `T` from `buffer` at byte `offset`, waiting for
     /// all submitted work first.
     pub fn read<T: Pod>(&self, buffer: &wgpu::Buffer, offset: u64, len: usize) -> Result<Vec<T>, GpuError> {
+        self.read_later(buffer, offset, len)?.wait(self)
+    }
+
+    /// Starts reading `len` elements of `T` from `buffer` at byte `offset`:
+    /// the copy is submitted now, after all submitted work and before any
+    /// submitted later, which [`Readback::wait`] does not wait for.
+    pub fn read_later<T: Pod>(&self, buffer: &wgpu::Buffer, offset: u64, len: usize) -> Result<Readback<T>, GpuError> {
         let bytes = padded_bytes(len * size_of::<T>());
         let staging = self.buffer("readback", bytes, wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST)?;
         let mut encoder = self.device.create_command_encoder(&Default::default());
         encoder.copy_buffer_to_buffer(buffer, offset, &staging, 0, bytes);
-        self.queue.submit([encoder.finish()]);
-        let out = self.map_and_copy(&staging, len);
-        self.recycle(staging);
-        out
+        let submission = self.queue.submit([encoder.finish()]);
+        let (sender, mapped) = mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, .., move |result| {
+            let _ = sender.send(result);
+        });
+        Ok(Readback { staging, submission, mapped, len, element: PhantomData })
     }
 
     /// [`Self::read`] through a staging buffer freed after, for sizes that
@@ -347,6 +357,14 @@ impl GpuContext {
         };
         staging.unmap();
         Ok(out)
+    }
+
+    /// Blocks until the submission `submission` (and all before it) is done.
+    fn wait_for(&self, submission: wgpu::SubmissionIndex) -> Result<(), GpuError> {
+        self.device
+            .poll(wgpu::PollType::Wait { submission_index: Some(submission), timeout: None })
+            .map(drop)
+            .map_err(|e| GpuError::Readback(e.to_string()))
     }
 
     /// Blocks until all submitted work is done.
@@ -388,6 +406,34 @@ impl GpuContext {
             true => Ok(()),
             false => Err(GpuError::TooLarge { what: what.to_string(), bytes, limit }),
         }
+    }
+}
+
+/// A read from the GPU under way: [`GpuContext::read_later`].
+pub struct Readback<T> {
+    staging: wgpu::Buffer,
+    submission: wgpu::SubmissionIndex,
+    mapped: mpsc::Receiver<Result<(), wgpu::BufferAsyncError>>,
+    len: usize,
+    element: PhantomData<T>,
+}
+
+impl<T: Pod> Readback<T> {
+    /// The elements read, once the copy's submission is done (not the work
+    /// submitted after it); the staging buffer goes back to `ctx`'s pool.
+    pub fn wait(self, ctx: &GpuContext) -> Result<Vec<T>, GpuError> {
+        ctx.wait_for(self.submission)?;
+        self.mapped
+            .recv()
+            .map_err(|e| GpuError::Readback(e.to_string()))?
+            .map_err(|e| GpuError::Readback(e.to_string()))?;
+        let out = {
+            let view = self.staging.get_mapped_range(..).map_err(|e| GpuError::Readback(e.to_string()))?;
+            bytemuck::cast_slice::<u8, T>(&view[..self.len * size_of::<T>()]).to_vec()
+        };
+        self.staging.unmap();
+        ctx.recycle(self.staging);
+        Ok(out)
     }
 }
 

@@ -22,7 +22,7 @@ pub mod prefill;
 pub mod report;
 pub mod route;
 
-pub use context::{AdapterPolicy, Batch, GpuContext, GpuError, Kernel, Shader};
+pub use context::{AdapterPolicy, Batch, GpuContext, GpuError, Kernel, Readback, Shader};
 
 pub mod attention;
 pub mod cqs;

@@ -63,9 +63,13 @@ pub struct Timing {
     pub probe_kernels_ms: std::collections::BTreeMap<String, f64>,
     /// The router, on the CPU: every candidate's mask and estimate, and the plan.
     pub routing_ms: f64,
-    /// The chosen masks spelt out into key lists, and their upload (CPU; the
-    /// spelling out and the upload while the GPU computes the dense heads).
+    /// The chosen masks spelt out into key lists, and their upload (CPU;
+    /// each sparse head's while the GPU computes the heads submitted before it).
     pub lists_ms: f64,
+    /// GPU time between a routed layer's attention dispatches: the GPU
+    /// waiting for the next head's lists (what of `lists_ms` lay on the
+    /// critical path), and the barrier between dispatches.
+    pub lists_waited_ms: f64,
     /// The attention kernels themselves: the dense kernel over the heads
     /// that chose dense, then the sparse kernel over the others.
     pub kernel_ms: f64,

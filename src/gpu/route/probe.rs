@@ -34,7 +34,7 @@ use wgpu::Buffer;
 
 use crate::gpu::attention::{AttentionShape, BLOCK};
 use crate::gpu::pipeline::{Access, Pipeline};
-use crate::gpu::{Batch, GpuContext, GpuError, Kernel, Shader};
+use crate::gpu::{Batch, GpuContext, GpuError, Kernel, Readback, Shader};
 
 const ROW_STATS: &str = include_str!("../../../shaders/route_row_stats.wgsl");
 const DENSE_KEYS: &str = include_str!("../../../shaders/attention_keys_dense.wgsl");
@@ -189,11 +189,16 @@ impl Probe {
     /// KV head `h`'s lists of every query block of the chunk, read from the
     /// GPU: `[query block of the chunk][TOP_BLOCKS]`, laid out as `top_blocks`.
     pub fn head_lists(&self, ctx: &GpuContext, h: usize) -> Result<Arc<[u32]>, GpuError> {
+        Ok(self.read_head_lists(ctx, h)?.wait(ctx)?.into())
+    }
+
+    /// [`Self::head_lists`] started: what is submitted later does not delay them.
+    pub fn read_head_lists(&self, ctx: &GpuContext, h: usize) -> Result<Readback<u32>, GpuError> {
         let Some(lists) = &self.every_block else {
             return Err(GpuError::Readback("the probe's block lists were given back".into()));
         };
         let len = self.query_blocks * TOP_BLOCKS;
-        Ok(ctx.read::<u32>(lists, (h * len * size_of::<u32>()) as u64, len)?.into())
+        ctx.read_later::<u32>(lists, (h * len * size_of::<u32>()) as u64, len)
     }
 
     /// Gives the lists of every query block back to `ctx`'s pool.

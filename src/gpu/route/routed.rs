@@ -10,15 +10,14 @@
 //! the latency profile's times) or applies one fixed pattern at
 //! MInference's budget (`ashape`, `vslash`, `blocksparse`: the baselines, no
 //! fallback). The KV heads whose choice is dense go through the dense kernel,
-//! in one dispatch of those heads, submitted first; the sparse choices of the
-//! others go into one index, made while the GPU computes the dense heads, and
-//! one dispatch of the sparse kernel. Its times start once the
-//! GPU has finished the work recorded before (the layer's projections, and
-//! earlier layers'), so that they count what routing itself costs. With the
-//! audit on, dense attention runs
-//! beside it into scratch, and the true mass kept is measured on 256 rows
-//! spread over the chunk (row statistics over the index's keys against
-//! those over all keys).
+//! in one dispatch of those heads, submitted first; each sparse choice of the
+//! others goes into an index and a dispatch of the sparse kernel of its own,
+//! fewest keys first, made while the GPU computes the heads before it. Its
+//! times start once the GPU has finished the work recorded before (the
+//! layer's projections, and earlier layers'), so that they count what routing
+//! itself costs. With the audit on, dense attention runs beside it into
+//! scratch, and the true mass kept is measured on 256 rows spread over the
+//! chunk (row statistics over the index's keys against those over all keys).
 
 use std::sync::Mutex;
 use std::time::Instant;
@@ -223,27 +222,27 @@ impl RoutedAttention {
             .collect();
         let routing_ms = routing_started.elapsed().as_secs_f64() * 1e3 - measuring_ms;
 
-        // The dense choices to the dense kernel, the others to the sparse one.
-        // A choice with ranked block lists has its lists of every query block
-        // read first (a readback waits for all submitted work), then the dense
-        // heads' dispatch is submitted, and the GPU computes them while the
-        // CPU spells out and uploads the sparse choices' lists.
+        // The dense choices go to the dense kernel in one dispatch, submitted
+        // first; then each sparse choice to the sparse kernel in a dispatch of
+        // its own, the heads that visit fewest keys first. The block lists of
+        // every query block of the choices that read them are copied back
+        // before any kernel is submitted (a copy submitted after a kernel would
+        // wait for it). Each sparse head's lists are spelt out and uploaded
+        // while the GPU computes the heads submitted before it, so that only
+        // the first one's lie on the critical path where no head is dense.
         let lists_started = Instant::now();
-        // In parallel over the heads: each reads back megabytes of lists.
-        let full_masks = (chosen.par_iter().enumerate())
-            .filter(|(_, c)| c.candidate.pattern.reads_lists())
-            .map(|(h, c)| {
-                let mask = c.candidate.full_mask(&probe, &lines[h], h, || probe.head_lists(ctx, h))?;
-                Ok((h, self.widened(mask, &probe, &rows, h, &lines[h])))
-            })
+        let mut readbacks = (0..hk)
+            .map(|h| chosen[h].candidate.pattern.reads_lists().then(|| probe.read_head_lists(ctx, h)).transpose())
             .collect::<Result<Vec<_>, GpuError>>()?;
-        for (h, mask) in full_masks {
-            chosen[h].mask = mask;
-        }
-        let mut lists_ms = lists_started.elapsed().as_secs_f64() * 1e3;
         let is_dense = |c: &Chosen| c.mask == Mask::Dense;
         let dense_heads = KvHeads::of((0..hk as u32).filter(|&h| is_dense(&chosen[h as usize])));
+        let mut sparse_heads: Vec<(f64, usize)> = (0..hk)
+            .filter(|&h| !is_dense(&chosen[h]))
+            .map(|h| (chosen[h].mask.visited_keys(query_blocks.clone()), h))
+            .collect();
+        sparse_heads.sort_by(|a, b| a.0.total_cmp(&b.0));
         let sizes = [q16.size(), keys.size(), values.size(), out.size()];
+        let mut lists_ms = lists_started.elapsed().as_secs_f64() * 1e3;
         let mut batch = ctx.batch();
         batch.mark();
         if let Some(heads) = dense_heads {
@@ -254,40 +253,52 @@ impl RoutedAttention {
         }
         batch.mark();
         batch.flush();
-        let lists_started = Instant::now();
-        let sparse_masks: Vec<Option<&Mask>> = chosen.iter().map(|c| (!is_dense(c)).then_some(&c.mask)).collect();
-        let index = SparseIndex::new(&sparse_masks, kv_len);
-        let gpu_index = match sparse_masks.iter().any(Option::is_some) {
-            true => Some(index.upload(ctx)?),
-            false => None,
-        };
-        lists_ms += lists_started.elapsed().as_secs_f64() * 1e3;
-        batch.mark();
-        if let Some(gpu_index) = &gpu_index {
+        let mut indexes: Vec<Option<SparseIndex>> = vec![None; hk];
+        let mut gpu_indexes = Vec::new();
+        for &(_, h) in &sparse_heads {
+            let started = Instant::now();
+            if let Some(readback) = readbacks[h].take() {
+                let lists = readback.wait(ctx)?;
+                let mask = chosen[h].candidate.full_mask(&probe, &lines[h], h, || Ok::<_, GpuError>(lists.into()))?;
+                chosen[h].mask = self.widened(mask, &probe, &rows, h, &lines[h]);
+            }
+            let mut masks = vec![None; hk];
+            masks[h] = Some(&chosen[h].mask);
+            let index = SparseIndex::new(&masks, kv_len);
+            let gpu_index = index.upload(ctx)?;
+            indexes[h] = Some(index);
+            lists_ms += started.elapsed().as_secs_f64() * 1e3;
             let buffers = gpu_index.buffers();
             let bind = self.sparse.bind_sparse(&ctx.device, [q16, keys, values, out], &buffers);
+            batch.mark();
             batch
                 .record("sparse attention", |pass| self.sparse.dispatch_sparse(pass, &bind, shape, sizes, &buffers))
                 .map_err(kernel_error)?;
+            batch.mark();
+            batch.flush();
+            gpu_indexes.push(gpu_index);
         }
-        batch.mark();
-        // Between marks: the dense heads, the GPU waiting for the lists (if it
-        // did), the sparse heads.
+        // Between marks: the dense heads, then for each sparse head the GPU
+        // waiting for its lists (if it did) and its kernel.
         let kernel = batch.submit_timed()?.unwrap_or_default();
-        let (dense_kernel_ms, sparse_kernel_ms) = (kernel.first().copied(), kernel.get(2).copied());
-        let (dense_kernel_ms, sparse_kernel_ms) = (dense_kernel_ms.unwrap_or(0.0), sparse_kernel_ms.unwrap_or(0.0));
+        let dense_kernel_ms = kernel.first().copied().unwrap_or(0.0);
+        let sparse_kernel_ms: f64 = kernel.iter().skip(2).step_by(2).sum();
+        let lists_waited_ms: f64 = kernel.iter().skip(1).step_by(2).sum();
+        for gpu_index in gpu_indexes {
+            gpu_index.recycle(ctx);
+        }
         let wall_ms = started.elapsed().as_secs_f64() * 1e3;
 
         let audit = match self.settings.audit {
-            true => Some(self.audit(ctx, shape, [q16, keys, values, out], dense, gpu_index.as_ref(), head_dim)?),
+            true => {
+                let masks: Vec<Option<&Mask>> = chosen.iter().map(|c| (!is_dense(c)).then_some(&c.mask)).collect();
+                Some(self.audit(ctx, shape, [q16, keys, values, out], dense, &masks, head_dim)?)
+            }
             false => None,
         };
         let dense_ms = audit.as_ref().and_then(|a| a.dense_ms);
         if self.settings.calibrate {
             self.calibrate(ctx, shape, [q16, keys], &probe, &rows, &lines)?;
-        }
-        if let Some(gpu_index) = gpu_index {
-            gpu_index.recycle(ctx);
         }
         probe.release(ctx);
         let v_max = match self.settings.report.is_some() || self.settings.audit {
@@ -310,7 +321,7 @@ impl RoutedAttention {
                     kv_head: h,
                     pattern: c.candidate.pattern.name().into(),
                     budget: c.candidate.pattern.budget_units(c.candidate.budget),
-                    density: index.density(h as u32),
+                    density: indexes[h].as_ref().map_or(0.0, |i| i.density(h as u32)),
                     mass_estimate: c.estimate.mass,
                     mass_lower: c.lower,
                     disagreement: c.estimate.disagreement,
@@ -344,6 +355,7 @@ impl RoutedAttention {
         report.timing.index_ms += probe.index_ms;
         report.timing.routing_ms += routing_ms;
         report.timing.lists_ms += lists_ms;
+        report.timing.lists_waited_ms += lists_waited_ms;
         report.timing.kernel_ms += dense_kernel_ms + sparse_kernel_ms;
         report.timing.dense_kernel_ms += dense_kernel_ms;
         report.timing.sparse_kernel_ms += sparse_kernel_ms;
@@ -369,8 +381,8 @@ impl RoutedAttention {
 
     /// Per KV head: the relative error against dense attention over the
     /// chunk, the mean per-row L2 error, and the mean true mass on the audit
-    /// rows (1 for the heads `index` does not list, which ran dense); and the
-    /// dense kernel's GPU time (`None` without timestamp queries).
+    /// rows (1 for the heads without a mask in `masks`, which ran dense); and
+    /// the dense kernel's GPU time (`None` without timestamp queries).
     #[allow(clippy::too_many_arguments)]
     fn audit(
         &self,
@@ -378,9 +390,13 @@ impl RoutedAttention {
         shape: &AttentionShape,
         [q16, keys, values, out]: [&Buffer; 4],
         dense: &Attention,
-        index: Option<&super::GpuIndex>,
+        masks: &[Option<&Mask>],
         d: usize,
     ) -> Result<Audit, GpuError> {
+        let index = match masks.iter().any(Option::is_some) {
+            true => Some(SparseIndex::new(masks, shape.kv_len()).upload(ctx)?),
+            false => None,
+        };
         let (hq, hk) = (shape.n_head as usize, shape.n_kv_head as usize);
         let n = shape.n as usize;
         let scratch = ctx.storage::<f32>("audit dense out", (out.size() / 4) as usize)?;
@@ -394,14 +410,14 @@ impl RoutedAttention {
         let exact: Vec<f32> = ctx.read(&scratch, 0, n * hq * d)?;
         let sparse: Vec<f32> = ctx.read(out, 0, n * hq * d)?;
         ctx.recycle(scratch);
-        let masses = match index {
+        let masses = match &index {
             Some(index) => self.true_masses(ctx, shape, [q16, keys], Some(index))?,
             None => vec![1.0; hk],
         };
         let group = hq / hk;
         let heads = (0..hk)
             .map(|h| {
-                let mass = match index {
+                let mass = match &index {
                     Some(i) if i.heads.contains(h as u32) => masses[h],
                     _ => 1.0,
                 };
@@ -419,6 +435,9 @@ impl RoutedAttention {
                 ((diff / norm.max(1e-300)).sqrt(), row_error / (n * group) as f64, mass)
             })
             .collect();
+        if let Some(index) = index {
+            index.recycle(ctx);
+        }
         Ok(Audit { heads, dense_ms })
     }
 
