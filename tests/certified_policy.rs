@@ -99,7 +99,7 @@ fn candidate_bounds_hold_every_exact_score() {
         for kv_head in 0..shape.n_kv_head {
             let perturbations = Perturbations::new(PerturbationSeed { seed: 1, fixed: false }, 0, kv_head, 0);
             scan.scan(&call, kv_head, &split, &perturbations);
-            reads.reset(scan.keys(&split), shape.n_gqa);
+            reads.reset(scan.keys(&split), 0..shape.n_gqa);
             for g in 0..shape.n_gqa {
                 let query = scan.query(g, shape.dim).to_vec();
                 let mut head = CacheHead::new(&call, kv_head, &split, &scan, g, &mut reads);

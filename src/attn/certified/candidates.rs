@@ -42,6 +42,8 @@
 //! scores and the refinements: the first head that needs a key's score (or
 //! its 8-bit bound) reads the key once for every head of the group
 //! ([`GroupReads`]), as dense attention reads each key once for the group.
+//! (Where the group's heads are split among threads, as on a model with
+//! fewer KV heads than threads, a key is read once for each thread's heads.)
 //! The key rows a head scores at one level are asked of the caches first,
 //! then gathered end to end for one kernel call, and the value rows of the
 //! keys that enter at a level are asked for before the first is read: these
@@ -346,11 +348,14 @@ impl Memo {
     }
 }
 
-/// What the group's heads have read of its keys this call, for all of them
-/// at once: exact scores (keys numbered as the exact set, sinks then
-/// window, then the pool).
+/// What a run of the group's query heads (all of them, or the share one
+/// thread attends) have read of its keys this call, for all of them at
+/// once: exact scores (keys numbered as the exact set, sinks then window,
+/// then the pool).
 #[derive(Default)]
 pub struct GroupReads {
+    /// The query heads of the group whose scores are read.
+    heads: Range<usize>,
     scores: Memo,
     dots: Vec<f32>,
     /// The exact key rows to score, end to end.
@@ -359,14 +364,10 @@ pub struct GroupReads {
 
 impl GroupReads {
     /// Forgets everything, for `keys` keys (the exact set's and the pool's)
-    /// of `n_gqa` heads.
-    pub fn reset(&mut self, keys: usize, n_gqa: usize) {
-        self.scores.reset(keys, n_gqa);
-    }
-
-    /// The largest of query head `g`'s exact-set scores, once read.
-    pub fn exact_max(&self, g: usize, exact: usize) -> f64 {
-        (0..exact).filter_map(|i| self.scores.get(i)).map(|s| f64::from(s[g])).fold(f64::NEG_INFINITY, f64::max)
+    /// of the group's query heads `heads`.
+    pub fn reset(&mut self, keys: usize, heads: Range<usize>) {
+        self.scores.reset(keys, heads.len());
+        self.heads = heads;
     }
 }
 
@@ -434,7 +435,8 @@ pub struct CacheHead<'a> {
 
 impl<'a> CacheHead<'a> {
     /// Query head `g` of `kv_head`'s group, scanned by `scan`; `reads`
-    /// holds the group's reads, reset for this call.
+    /// holds the reads of a run of the group's heads that includes `g`,
+    /// reset for this call.
     pub fn new(
         call: &LayerCall<'a>,
         kv_head: usize,
@@ -467,8 +469,10 @@ impl<'a> CacheHead<'a> {
     /// call (all of them asked of the caches first: they lie scattered),
     /// coded rows in place; counts their bytes here.
     fn read_scores(&mut self, keys: impl Iterator<Item = usize>, position: impl Fn(usize) -> usize) {
-        let (n, dim, kernels) = (self.scan.n_gqa, self.rows.dim_k, simd::kernels());
+        let (dim, kernels) = (self.rows.dim_k, simd::kernels());
         let reads = &mut *self.reads;
+        let n = reads.heads.len();
+        let queries = &self.scan.queries[reads.heads.start * dim..reads.heads.end * dim];
         self.pending.clear();
         for key in keys {
             if reads.scores.get(key).is_some() {
@@ -485,7 +489,7 @@ impl<'a> CacheHead<'a> {
                     self.bytes.keys += sketch.bytes() / PAGE;
                     reads.dots.resize(n, 0.0);
                     let coded = std::iter::once(read::Stretch::Coded(sketch, rows));
-                    read::score(kernels, dim, &self.scan.queries, coded, &mut reads.dots, 1);
+                    read::score(kernels, dim, queries, coded, &mut reads.dots, 1);
                     let scorer = self.scan.scorer;
                     for (score, &dot) in reads.scores.set(key).iter_mut().zip(&reads.dots) {
                         *score = scorer.score(dot);
@@ -502,7 +506,7 @@ impl<'a> CacheHead<'a> {
             reads.gathered.extend_from_slice(row);
         }
         reads.dots.resize(n * m, 0.0);
-        kernels.scores_f16(dim, &self.scan.queries, &reads.gathered, &mut reads.dots, m);
+        kernels.scores_f16(dim, queries, &reads.gathered, &mut reads.dots, m);
         for (j, &(key, _)) in self.pending.iter().enumerate() {
             let scorer = self.scan.scorer;
             for (h, score) in reads.scores.set(key).iter_mut().enumerate() {
@@ -513,7 +517,7 @@ impl<'a> CacheHead<'a> {
 
     /// The score of key `key`, once read.
     fn score(&self, key: usize) -> f64 {
-        f64::from(self.reads.scores.get(key).expect("a key read")[self.g])
+        f64::from(self.reads.scores.get(key).expect("a key read")[self.g - self.reads.heads.start])
     }
 
     fn value_at(&mut self, pos: usize, out: &mut [f32]) {
