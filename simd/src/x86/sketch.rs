@@ -538,15 +538,6 @@ unsafe fn first_levels_avx512(values: &[f32], thresholds: &[f32], out: &mut [u8]
     crate::sketch::first_levels_rest(rest, thresholds, rest_out);
 }
 
-/// Eight numbers of `x` from `c` on, zeros past its end.
-#[inline(always)]
-fn lanes8(x: &[f32], c: usize) -> [f32; 8] {
-    match x[c..].first_chunk::<8>() {
-        Some(lanes) => *lanes,
-        None => padded(&x[c..]),
-    }
-}
-
 /// `|x|` lane by lane.
 ///
 /// # Safety
@@ -571,28 +562,42 @@ unsafe fn rounded127(x: __m256) -> __m256 {
     }
 }
 
-/// [`prepare_ymm`]'s chunk of channels from `c`: its terms added to `acc`,
-/// its weights and residuals stored.
+/// The eight channels of one of [`prepare_ymm`]'s chunks.
+struct Chunk {
+    q: [f32; 8],
+    min: [f32; 8],
+    step: [f32; 8],
+}
+
+impl Chunk {
+    /// Channels `c..c + 8`, which `q`, `min` and `step` all have.
+    #[inline(always)]
+    fn whole((q, min, step): (&[f32], &[f32], &[f32]), c: usize) -> Self {
+        let eight = |x: &[f32]| *x[c..].first_chunk::<8>().expect("eight channels");
+        Self { q: eight(q), min: eight(min), step: eight(step) }
+    }
+
+    /// Channels `c..`, fewer than eight, then zeros.
+    fn tail((q, min, step): (&[f32], &[f32], &[f32]), c: usize) -> Self {
+        Self { q: padded(&q[c..]), min: padded(&min[c..]), step: padded(&step[c..]) }
+    }
+}
+
+/// [`prepare_ymm`]'s terms of one chunk of channels added to `acc`; returns
+/// the chunk's weights and residuals.
 ///
 /// # Safety
-/// The CPU must support AVX2; the lengths are equal.
+/// The CPU must support AVX2.
 #[inline(always)]
-unsafe fn prepare_chunk(
-    (q, min, step): (&[f32], &[f32], &[f32]),
-    scales: &PrepareScales,
-    c: usize,
-    acc: &mut [__m256; 12],
-    weights: &mut [i8],
-    residuals: &mut [i8],
-) {
-    let load = |x: &[f32]| -> __m256 { bytemuck::cast(lanes8(x, c)) };
+unsafe fn prepare_chunk(chunk: &Chunk, scales: &PrepareScales, acc: &mut [__m256; 12]) -> ([i8; 8], [i8; 8]) {
+    let load = |x: &[f32; 8]| -> __m256 { bytemuck::cast(*x) };
     // SAFETY: the caller's ISA guarantee.
     unsafe {
         let splat = _mm256_set1_ps;
         let (alpha, alpha2) = (splat(scales.alpha), splat(scales.alpha2));
         let (inverse, inverse2) = (splat(scales.inverse()), splat(scales.inverse2()));
         let (sign, zero, top_code) = (splat(-0.0), _mm256_setzero_ps(), splat(255.0));
-        let (qv, minv, stepv) = (load(q), load(min), load(step));
+        let (qv, minv, stepv) = (load(&chunk.q), load(&chunk.min), load(&chunk.step));
         let a = _mm256_mul_ps(qv, stepv);
         let w = rounded127(_mm256_mul_ps(a, inverse));
         let aw = _mm256_mul_ps(alpha, w);
@@ -621,19 +626,9 @@ unsafe fn prepare_chunk(
         // saturating packs (which keep them).
         let packed = _mm256_packs_epi32(_mm256_cvtps_epi32(w), _mm256_cvtps_epi32(r));
         let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(packed);
-        let bytes: [i8; 16] =
+        let bytes: [[i8; 8]; 2] =
             bytemuck::cast(_mm_packs_epi16(_mm256_castsi256_si128(packed), _mm256_extracti128_si256::<1>(packed)));
-        match (weights[c..].first_chunk_mut::<8>(), residuals[c..].first_chunk_mut::<8>()) {
-            (Some(w), Some(r)) => {
-                *w = *bytes[..8].first_chunk().expect("eight weights");
-                *r = *bytes[8..].first_chunk().expect("eight residuals");
-            }
-            _ => {
-                let len = q.len() - c;
-                weights[c..].copy_from_slice(&bytes[..len]);
-                residuals[c..].copy_from_slice(&bytes[8..8 + len]);
-            }
-        }
+        (bytes[0], bytes[1])
     }
 }
 
@@ -643,7 +638,9 @@ unsafe fn prepare_chunk(
 /// the bits are the same. The weights and residuals, integers within
 /// ±127, are stored eight at a time as bytes. The two halves' 24 sums are
 /// named, not indexed, so that they can stay in registers (where the table
-/// has the 32 of AVX-512).
+/// has the 32 of AVX-512). The whole chunks run in loops of their own, with
+/// no call in them (a short last chunk is copied out, then padded), since
+/// a call that any iteration might make keeps every running sum in memory.
 ///
 /// # Safety
 /// The CPU must support AVX2; the lengths are equal.
@@ -656,12 +653,19 @@ unsafe fn prepare_ymm(
     residuals: &mut [i8],
 ) -> (PrepareScales, PrepareSums) {
     let n = q.len();
-    let load = |x: &[f32], c: usize| -> __m256 { bytemuck::cast(lanes8(x, c)) };
+    let whole = n / 8 * 8;
+    let inputs = (q, min, step);
+    let scaled_max = |most: __m256, q: &[f32; 8], step: &[f32; 8]| {
+        // SAFETY: the caller's ISA guarantee.
+        unsafe { _mm256_max_ps(abs8(_mm256_mul_ps(bytemuck::cast(*q), bytemuck::cast(*step))), most) }
+    };
     // SAFETY: the caller's ISA guarantee.
     let mut most = unsafe { _mm256_setzero_ps() };
-    for c in (0..n).step_by(8) {
-        // SAFETY: the caller's ISA guarantee.
-        most = unsafe { _mm256_max_ps(abs8(_mm256_mul_ps(load(q, c), load(step, c))), most) };
+    for (q, step) in q.chunks_exact(8).zip(step.chunks_exact(8)) {
+        most = scaled_max(most, q.first_chunk().expect("eight"), step.first_chunk().expect("eight"));
+    }
+    if whole < n {
+        most = scaled_max(most, &padded(&q[whole..]), &padded(&step[whole..]));
     }
     let lanes: [f32; 8] = bytemuck::cast(most);
     let a_max = lanes.iter().fold(0.0f32, |m, &a| if a > m { a } else { m });
@@ -669,14 +673,33 @@ unsafe fn prepare_ymm(
     // SAFETY: the caller's ISA guarantee.
     let zero = unsafe { _mm256_setzero_ps() };
     let (mut even, mut odd) = ([zero; 12], [zero; 12]);
-    let inputs = (q, min, step);
-    for c in (0..n).step_by(16) {
-        // SAFETY: the caller's ISA guarantee and lengths.
-        unsafe { prepare_chunk(inputs, &scales, c, &mut even, weights, residuals) };
-        if c + 8 < n {
-            // SAFETY: as above.
-            unsafe { prepare_chunk(inputs, &scales, c + 8, &mut odd, weights, residuals) };
-        }
+    let mut store = |c: usize, (w, r): ([i8; 8], [i8; 8])| {
+        *weights[c..].first_chunk_mut::<8>().expect("eight weights") = w;
+        *residuals[c..].first_chunk_mut::<8>().expect("eight residuals") = r;
+    };
+    let pairs = n / 16 * 16;
+    for c in (0..pairs).step_by(16) {
+        // SAFETY: the caller's ISA guarantee.
+        let (first, second) = unsafe {
+            let first = prepare_chunk(&Chunk::whole(inputs, c), &scales, &mut even);
+            (first, prepare_chunk(&Chunk::whole(inputs, c + 8), &scales, &mut odd))
+        };
+        store(c, first);
+        store(c + 8, second);
+    }
+    if pairs + 8 <= n {
+        // SAFETY: the caller's ISA guarantee.
+        store(pairs, unsafe { prepare_chunk(&Chunk::whole(inputs, pairs), &scales, &mut even) });
+    }
+    if whole < n {
+        // The short last chunk: the even half's when it is the pairs' first
+        // one over, else the odd half's.
+        let acc = if whole == pairs { &mut even } else { &mut odd };
+        // SAFETY: the caller's ISA guarantee.
+        let (w, r) = unsafe { prepare_chunk(&Chunk::tail(inputs, whole), &scales, acc) };
+        let len = n - whole;
+        weights[whole..].copy_from_slice(&w[..len]);
+        residuals[whole..].copy_from_slice(&r[..len]);
     }
     let mut halves = [[0.0f32; 8]; 12];
     for (half, (&even, &odd)) in halves.iter_mut().zip(even.iter().zip(&odd)) {
