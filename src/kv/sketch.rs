@@ -433,23 +433,31 @@ impl KeySketch {
 
     /// An upper bound on `q·k` over every key of the page, from the
     /// channels' ranges alone (a block score, as in Quest).
+    /// The minima and steps are converted [`BOUND_CHANNELS`] at a time, in
+    /// vectors, and each channel's terms are added in channel order.
     pub fn page_upper_bound(&self, q: &[f32]) -> f32 {
         let (low, high) = self.keys.extent();
+        let (mins, steps) = self.affine.split_at(self.dim);
         let mut sum = Slack::default();
-        for (c, &qc) in q.iter().enumerate() {
-            let affine = self.channel(c);
-            let (min, a) = channel(qc, &affine);
-            sum.add(qc as f64 * min + (a * low).max(a * high));
-            sum.widen_f32(qc, &affine);
+        let (mut min, mut step) = ([0.0f32; BOUND_CHANNELS], [0.0f32; BOUND_CHANNELS]);
+        for (from, q) in (0..).step_by(BOUND_CHANNELS).zip(q[..self.dim].chunks(BOUND_CHANNELS)) {
+            let (min, step) = (&mut min[..q.len()], &mut step[..q.len()]);
+            mins[from..from + q.len()].convert_to_f32_slice(min);
+            steps[from..from + q.len()].convert_to_f32_slice(step);
+            for ((&qc, &min), &step) in q.iter().zip(&*min).zip(&*step) {
+                let (min, step) = (f64::from(min), f64::from(step));
+                let a = f64::from(qc) * step;
+                sum.add(f64::from(qc) * min + (a * low).max(a * high));
+                sum.widen(qc, min, step);
+            }
         }
         sum.bounds(self.dim).upper
     }
 }
 
-/// A channel's minimum and `a_c = q_c·step_c`, exact in f64.
-fn channel(qc: f32, affine: &Affine) -> (f64, f64) {
-    (affine.min.to_f64(), qc as f64 * affine.step.to_f64())
-}
+/// Channels whose minima and steps [`KeySketch::page_upper_bound`] converts
+/// together.
+const BOUND_CHANNELS: usize = 32;
 
 /// A query prepared for scanning one page: weights in i8 (in the scan's
 /// order) and the per-page constants of the module's bound, for the scanned
@@ -625,8 +633,9 @@ impl Slack {
         self.magnitude += x.abs();
     }
 
-    fn widen_f32(&mut self, qc: f32, affine: &Affine) {
-        let (min, step) = (affine.min.to_f64(), affine.step.to_f64());
+    /// Widens for the caller's f32 dot over a channel of minimum `min`
+    /// and step `step`.
+    fn widen(&mut self, qc: f32, min: f64, step: f64) {
         self.dot_magnitude += (qc as f64).abs() * (min.abs() + 255.0 * step);
     }
 
