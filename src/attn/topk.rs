@@ -9,12 +9,13 @@
 //! positions; pages without a sketch (the quantized modes' exact residual)
 //! are read as well. Attention is then ggml's arithmetic over those keys
 //! alone: the rest of the softmax's mass is dropped, so nothing bounds the
-//! error, which the certificate says with an infinite ε. Every other call
-//! is dense.
+//! error, which the certificate says with an infinite ε. The query heads
+//! run in parallel, each with its own buffers. Every other call is dense.
 
 use std::ops::Range;
 
 use half::f16;
+use rayon::prelude::*;
 use simd::Kernels;
 
 use super::dense::Dense;
@@ -31,6 +32,14 @@ pub const UNBOUNDED: Certificate =
 #[derive(Default)]
 pub struct Topk {
     pages: usize,
+    /// One per query head: the heads run in parallel.
+    heads: Vec<TopkHead>,
+}
+
+/// One query head's buffers.
+#[derive(Default)]
+struct TopkHead {
+    pages: usize,
     query: Vec<f32>,
     halves: Vec<f16>,
     /// Bounds of the pool's sketched pages, with their numbers.
@@ -44,12 +53,14 @@ pub struct Topk {
 
 impl Topk {
     pub fn new(pages: usize) -> Self {
-        Self { pages, ..Self::default() }
+        Self { pages, heads: Vec::new() }
     }
+}
 
+impl TopkHead {
     /// One query head's attention over its chosen keys into `out`, and its
     /// record.
-    fn attend_head(&mut self, kernels: &Kernels, call: &LayerCall, head: usize, out: &mut [f32]) -> HeadRecord {
+    fn attend(&mut self, kernels: &Kernels, call: &LayerCall, head: usize, out: &mut [f32]) -> HeadRecord {
         let batch = call.batch;
         let rows = HeadRows::new(call, head / batch.n_gqa);
         self.query.clear();
@@ -128,10 +139,15 @@ impl AttentionPolicy for Topk {
         if !worth_sparse(call) {
             return Dense.attend(call, out, records);
         }
-        let (kernels, dim_v) = (simd::kernels(), call.batch.head_dim_v);
-        for (head, out) in out.chunks_exact_mut(dim_v).enumerate() {
-            let record = self.attend_head(kernels, call, head, out);
-            records.push(record);
-        }
+        let (kernels, dim_v, pages) = (simd::kernels(), call.batch.head_dim_v, self.pages);
+        self.heads.resize_with(call.batch.n_head, || TopkHead { pages, ..TopkHead::default() });
+        let heads: Vec<HeadRecord> = self
+            .heads
+            .par_iter_mut()
+            .zip(out.par_chunks_exact_mut(dim_v))
+            .enumerate()
+            .map(|(head, (buffers, out))| buffers.attend(kernels, call, head, out))
+            .collect();
+        records.extend(heads);
     }
 }
