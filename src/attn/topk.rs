@@ -39,7 +39,6 @@ pub struct Topk {
 /// One query head's buffers.
 #[derive(Default)]
 struct TopkHead {
-    pages: usize,
     query: Vec<f32>,
     halves: Vec<f16>,
     /// Bounds of the pool's sketched pages, with their numbers.
@@ -58,9 +57,17 @@ impl Topk {
 }
 
 impl TopkHead {
-    /// One query head's attention over its chosen keys into `out`, and its
-    /// record.
-    fn attend(&mut self, kernels: &Kernels, call: &LayerCall, head: usize, out: &mut [f32]) -> HeadRecord {
+    /// Query head `head`'s attention over its chosen keys (its `pages`
+    /// pages of largest bound, the sinks and the window) into `out`, and
+    /// its record.
+    fn attend(
+        &mut self,
+        kernels: &Kernels,
+        call: &LayerCall,
+        pages: usize,
+        head: usize,
+        out: &mut [f32],
+    ) -> HeadRecord {
         let batch = call.batch;
         let rows = HeadRows::new(call, head / batch.n_gqa);
         self.query.clear();
@@ -69,7 +76,7 @@ impl TopkHead {
 
         let visible = call.visible(0);
         let split = Split::of(visible.clone());
-        let scanned = self.choose_pages(&rows, &split);
+        let scanned = self.choose_pages(&rows, &split, pages);
         self.ranges.clear();
         let pages = read::pages(self.chosen.iter().copied(), split.pool.clone());
         let ranges = [split.sinks.clone()].into_iter().chain(pages).chain([split.window.clone()]);
@@ -108,7 +115,7 @@ impl TopkHead {
     /// Fills `chosen` with the pool's pages to read, in order: the `pages`
     /// sketched ones of the largest bounds (ties to the earlier page) and
     /// every unsketched one. Returns the pages whose bound was computed.
-    fn choose_pages(&mut self, rows: &HeadRows, split: &Split) -> usize {
+    fn choose_pages(&mut self, rows: &HeadRows, split: &Split, pages: usize) -> usize {
         self.bounds.clear();
         self.chosen.clear();
         if split.pool.is_empty() {
@@ -120,7 +127,7 @@ impl TopkHead {
                 None => self.chosen.push(page),
             }
         }
-        read::choose_largest(&mut self.bounds, self.pages, &mut self.chosen);
+        read::choose_largest(&mut self.bounds, pages, &mut self.chosen);
         self.chosen.sort_unstable();
         self.bounds.len()
     }
@@ -140,14 +147,8 @@ impl AttentionPolicy for Topk {
             return Dense.attend(call, out, records);
         }
         let (kernels, dim_v, pages) = (simd::kernels(), call.batch.head_dim_v, self.pages);
-        self.heads.resize_with(call.batch.n_head, || TopkHead { pages, ..TopkHead::default() });
-        let heads: Vec<HeadRecord> = self
-            .heads
-            .par_iter_mut()
-            .zip(out.par_chunks_exact_mut(dim_v))
-            .enumerate()
-            .map(|(head, (buffers, out))| buffers.attend(kernels, call, head, out))
-            .collect();
-        records.extend(heads);
+        self.heads.resize_with(call.batch.n_head, TopkHead::default);
+        let heads = self.heads.par_iter_mut().zip(out.par_chunks_exact_mut(dim_v)).enumerate();
+        records.par_extend(heads.map(|(head, (buffers, out))| buffers.attend(kernels, call, pages, head, out)));
     }
 }

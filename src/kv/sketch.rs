@@ -433,6 +433,7 @@ impl KeySketch {
 
     /// An upper bound on `q·k` over every key of the page, from the
     /// channels' ranges alone (a block score, as in Quest).
+    ///
     /// The minima and steps are converted [`BOUND_CHANNELS`] at a time, in
     /// vectors, and each channel's terms are added in channel order.
     pub fn page_upper_bound(&self, q: &[f32]) -> f32 {

@@ -156,8 +156,7 @@ impl GroupScan {
         }
         let (first_page, last_page) = (pool.start / PAGE, pool.end.div_ceil(PAGE));
         let pages = last_page - first_page;
-        let share = rayon::current_num_threads().div_ceil(call.batch.n_kv_head());
-        let n = share.min(pages / MIN_PAGES).max(1);
+        let n = group_threads(call).min(pages / MIN_PAGES).max(1);
         let mut stretches = std::mem::take(&mut self.stretches);
         stretches.resize_with(n, Stretch::default);
         let this = &*self;
@@ -217,6 +216,12 @@ impl GroupScan {
     pub fn lower_max(&self, g: usize) -> f64 {
         self.lower_max[g]
     }
+}
+
+/// The threads one KV head's group may use: the pool's share of each KV
+/// head (more than one where the threads outnumber the KV heads).
+pub fn group_threads(call: &LayerCall) -> usize {
+    rayon::current_num_threads().div_ceil(call.batch.n_kv_head())
 }
 
 /// One stretch of the pool's pages, as one thread scans it for the group:

@@ -22,7 +22,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::candidates::{CacheHead, GroupReads, GroupScan};
+use super::candidates::{group_threads, CacheHead, GroupReads, GroupScan};
 use super::head::{HeadAttention, HeadKeys, HeadRecord as Driven, Params, Stop};
 use super::perturb::{PerturbationSeed, Perturbations};
 use crate::attn::dense::Dense;
@@ -85,7 +85,7 @@ impl Group {
         let split = Split::of(call.visible(0));
         let perturbations = Perturbations::new(seed, call.layer, kv_head, call.step);
         self.scan.scan(call, kv_head, &split, &perturbations);
-        let n = rayon::current_num_threads().div_ceil(batch.n_kv_head()).min(n_gqa).max(1);
+        let n = group_threads(call).min(n_gqa).max(1);
         if self.parts.len() < n {
             self.parts.resize_with(n, || Part {
                 heads: HeadAttention::new(params),
