@@ -33,6 +33,11 @@
 //!   0.95, min-p 0.05, seeded with the prefix's number): a sampled
 //!   continuation reads like text, where this model's greedy one soon
 //!   settles into a loop. It measures no free-running result (`--free 0`).
+//!   `--teacher-repeat-penalty R` (implies `--teacher-sampled`) divides the
+//!   positive logits of the tokens among dense's last 64 by `R` (and
+//!   multiplies the negative ones) before the draw, as `sift run
+//!   --repeat-penalty` does, so that its text does not settle into a loop
+//!   even where sampling alone would; the KL is of the unpenalised logits.
 //! * **Free-running** (the first `--free` prefixes): every policy's own
 //!   `--free-gen` greedy tokens; the share of prefixes whose continuation
 //!   equals dense's, and the mean position of the first difference among
@@ -139,6 +144,13 @@ struct Settings {
     /// Teacher-forced on dense's sampled tokens rather than its greedy ones.
     #[serde(default)]
     teacher_sampled: bool,
+    /// The repetition penalty of dense's draws (1: none).
+    #[serde(default = "no_penalty")]
+    teacher_repeat_penalty: f32,
+}
+
+fn no_penalty() -> f32 {
+    1.0
 }
 
 impl Settings {
@@ -149,8 +161,10 @@ impl Settings {
 
     /// Whether runs of `self` and `other` are of the same prefixes and steps.
     fn same_prefixes(&self, other: &Settings) -> bool {
-        (self.prefix, self.gen, self.free_gen, self.rectify_every, self.runs(), self.teacher_sampled)
-            == (other.prefix, other.gen, other.free_gen, other.rectify_every, other.runs(), other.teacher_sampled)
+        let key = |s: &Settings| {
+            (s.prefix, s.gen, s.free_gen, s.rectify_every, s.runs(), s.teacher_sampled, s.teacher_repeat_penalty)
+        };
+        key(self) == key(other)
     }
 
     /// Dense first, then the sparse variants.
@@ -176,6 +190,7 @@ impl Args {
                 rectify_every: DEFAULT_EVERY,
                 variants: Variant::defaults(),
                 teacher_sampled: false,
+                teacher_repeat_penalty: 1.0,
             },
             threads: sift::threads::default_threads(),
             prefixes: None,
@@ -211,6 +226,11 @@ impl Args {
                 "--free" => s.free = number(&value)?,
                 "--free-gen" => s.free_gen = number(&value)?,
                 "--rectify-every" => s.rectify_every = number(&value)?,
+                "--teacher-repeat-penalty" => {
+                    s.teacher_repeat_penalty = value.parse().map_err(|e| anyhow::anyhow!("{flag} {value}: {e}"))?;
+                    anyhow::ensure!(s.teacher_repeat_penalty >= 1.0, "{flag} {value}: below 1");
+                    s.teacher_sampled = true;
+                }
                 "--variants" => {
                     let free_only: Vec<Variant> = s.variants.iter().filter(|v| v.free_only).copied().collect();
                     s.variants = value.split(',').map(Variant::parse).collect::<anyhow::Result<_>>()?;
@@ -504,7 +524,11 @@ struct NextToken(Option<Sampler>);
 
 impl NextToken {
     fn of(settings: &Settings, index: usize) -> Self {
-        let params = SamplingParams { seed: index as u64, ..SamplingParams::default() };
+        let params = SamplingParams {
+            seed: index as u64,
+            repeat_penalty: settings.teacher_repeat_penalty,
+            ..SamplingParams::default()
+        };
         Self(settings.teacher_sampled.then(|| Sampler::new(params)))
     }
 
@@ -1023,7 +1047,11 @@ impl<'a> Report<'a> {
             let _ = writeln!(
                 s,
                 "Teacher-forced on dense's {} tokens, prefixes of {} tokens, {} tokens decoded: mean KL(dense ‖ policy) / top-1 agreement (prefixes) per bin of {BIN} positions\n",
-                if s_.teacher_sampled { "sampled" } else { "greedy" },
+                match (s_.teacher_sampled, s_.teacher_repeat_penalty) {
+                    (false, _) => "greedy".to_string(),
+                    (true, 1.0) => "sampled".to_string(),
+                    (true, r) => format!("sampled (repetition penalty {r} over the last 64)"),
+                },
                 s_.prefix,
                 s_.gen
             );
