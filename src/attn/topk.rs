@@ -52,7 +52,7 @@ struct TopkHead {
 
 impl Topk {
     pub fn new(pages: usize) -> Self {
-        Self { pages, heads: Vec::new() }
+        Self { pages, ..Self::default() }
     }
 }
 

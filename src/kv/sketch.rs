@@ -441,10 +441,12 @@ impl KeySketch {
         let (mins, steps) = self.affine.split_at(self.dim);
         let mut sum = Slack::default();
         let (mut min, mut step) = ([0.0f32; BOUND_CHANNELS], [0.0f32; BOUND_CHANNELS]);
-        for (from, q) in (0..).step_by(BOUND_CHANNELS).zip(q[..self.dim].chunks(BOUND_CHANNELS)) {
+        let (q, mins, steps) =
+            (q[..self.dim].chunks(BOUND_CHANNELS), mins.chunks(BOUND_CHANNELS), steps.chunks(BOUND_CHANNELS));
+        for ((q, mins), steps) in q.zip(mins).zip(steps) {
             let (min, step) = (&mut min[..q.len()], &mut step[..q.len()]);
-            mins[from..from + q.len()].convert_to_f32_slice(min);
-            steps[from..from + q.len()].convert_to_f32_slice(step);
+            mins.convert_to_f32_slice(min);
+            steps.convert_to_f32_slice(step);
             for ((&qc, &min), &step) in q.iter().zip(&*min).zip(&*step) {
                 let (min, step) = (f64::from(min), f64::from(step));
                 let a = f64::from(qc) * step;
