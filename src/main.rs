@@ -23,7 +23,7 @@ fn main() -> ExitCode {
     match cli::dispatch(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("sift: {e:#}");
+            eprintln!("sift: {}", cli::one_line(&e));
             ExitCode::from(cli::exit_code(&e))
         }
     }

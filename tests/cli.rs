@@ -25,6 +25,10 @@ fn assert_fails(o: &Output, code: i32, needle: &str) {
     assert_eq!(o.status.code(), Some(code), "stderr: {err}");
     assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
     assert_eq!(err.trim_end().lines().count(), 1, "error is not one line: {err}");
+    // Each cause once: "cannot open: <os error>", not the os error twice.
+    let causes: Vec<&str> = err.trim_end().split(": ").collect();
+    let repeated = causes.iter().enumerate().any(|(i, c)| causes[..i].contains(c));
+    assert!(!repeated, "a cause is said twice: {err}");
     assert!(o.stdout.is_empty(), "stdout should be empty on error: {}", stdout(o));
 }
 

@@ -255,7 +255,7 @@ impl Chat<'_> {
                 Ok(Flow::Exit) => return Ok(()),
                 // The session cannot go on with a gap in its audit.
                 Err(e) if e.is::<AuditError>() => return Err(e),
-                Err(e) => eprintln!("sift: {e:#}"),
+                Err(e) => eprintln!("sift: {}", super::one_line(&e)),
             }
         }
     }

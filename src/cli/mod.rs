@@ -444,6 +444,23 @@ pub struct Usage(pub String);
 #[error("{0}")]
 pub struct InputError(pub String);
 
+/// The error and its causes on one line, each cause once: an error whose
+/// message already quotes its cause (an I/O error after a path) does not
+/// say it twice.
+pub fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain().map(ToString::to_string) {
+        if line.contains(&cause) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&cause);
+    }
+    line
+}
+
 pub fn exit_code(e: &anyhow::Error) -> u8 {
     e.chain().find_map(cause_code).unwrap_or(EXIT_OTHER)
 }
