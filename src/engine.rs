@@ -67,6 +67,9 @@ pub trait PrefillBackend: Send {
     ) -> Result<(), EngineError>;
 }
 
+/// Told how far a prompt's prefill has come: tokens done, of how many.
+pub type PrefillProgress<'m> = Box<dyn FnMut(usize, usize) + Send + 'm>;
+
 /// The CPU's prefill: [`Model::forward`] over batches of at most `batch`
 /// tokens, attention by the session's policy.
 pub struct CpuPrefill<'a, 'm> {
@@ -74,6 +77,8 @@ pub struct CpuPrefill<'a, 'm> {
     pub scratch: &'a mut Scratch,
     pub attention: Attention<'a>,
     pub batch: usize,
+    /// Told the tokens done before the first batch and after each.
+    pub progress: Option<&'a mut (dyn FnMut(usize, usize) + Send)>,
 }
 
 impl PrefillBackend for CpuPrefill<'_, '_> {
@@ -91,12 +96,19 @@ impl PrefillBackend for CpuPrefill<'_, '_> {
     ) -> Result<(), EngineError> {
         hidden.clear();
         let mut pos = pos0;
+        let mut report = |done| {
+            if let Some(progress) = self.progress.as_mut() {
+                progress(done, tokens.len());
+            }
+        };
+        report(0);
         for chunk in tokens.chunks(self.batch) {
             self.model.forward(chunk, pos, cache, self.scratch, outputs, &mut self.attention, None);
             if outputs == Outputs::All {
                 hidden.extend_from_slice(&self.scratch.hidden);
             }
             pos += chunk.len();
+            report(pos - pos0);
         }
         if outputs == Outputs::Last {
             hidden.extend_from_slice(&self.scratch.hidden);
@@ -122,6 +134,8 @@ pub struct Session<'m> {
     hidden: Vec<f32>,
     /// The backend that takes the prompts it wants; the CPU takes the rest.
     prefill_backend: Option<Box<dyn PrefillBackend + 'm>>,
+    /// Told how far the CPU has come with each prompt.
+    progress: Option<PrefillProgress<'m>>,
     /// How the cache stores its tokens.
     storage: Storage,
     rectify: Rectify,
@@ -179,6 +193,7 @@ impl<'m> Session<'m> {
             steps: 0,
             hidden: Vec::new(),
             prefill_backend: None,
+            progress: None,
         }
     }
 
@@ -186,6 +201,13 @@ impl<'m> Session<'m> {
     /// and every decoding step.
     pub fn set_prefill_backend(&mut self, backend: Box<dyn PrefillBackend + 'm>) {
         self.prefill_backend = Some(backend);
+    }
+
+    /// Tells `progress` how far the CPU has come with each prompt it
+    /// prefills, batch by batch (a backend that takes a prompt runs it
+    /// unreported); `None` stops the reports.
+    pub fn set_prefill_progress(&mut self, progress: Option<PrefillProgress<'m>>) {
+        self.progress = progress;
     }
 
     /// Rectifies every `rectify.every` decoded tokens (0: never). Starts the
@@ -310,7 +332,7 @@ impl<'m> Session<'m> {
     pub fn decode_hidden(&mut self, token: u32) -> Result<&[f32], EngineError> {
         self.check(&[token])?;
         self.records.clear();
-        threads::on_pool(|| self.forward_on_cpu(&[token], Outputs::Last))?;
+        threads::on_pool(|| self.forward_on_cpu(&[token], Outputs::Last, false))?;
         self.n_past += 1;
         self.steps += 1;
         if self.rectify.every > 0 {
@@ -346,7 +368,8 @@ impl<'m> Session<'m> {
         let mut hidden = Vec::new();
         threads::on_pool(|| {
             let attention = Attention { policy: &mut Dense, step: self.steps, records: &mut records };
-            let mut cpu = CpuPrefill { model: self.model, scratch: &mut self.scratch, attention, batch: self.batch };
+            let (model, scratch, batch) = (self.model, &mut self.scratch, self.batch);
+            let mut cpu = CpuPrefill { model, scratch, attention, batch, progress: None };
             cpu.prefill(&tokens, pos0, &mut self.cache, Outputs::CacheOnly, &mut hidden)
         })?;
         if let Some(before) = before {
@@ -388,18 +411,21 @@ impl<'m> Session<'m> {
         let (pos0, n) = (self.n_past, tokens.len());
         match self.prefill_backend.as_deref_mut().and_then(|b| b.takes(pos0, n).then_some(b)) {
             Some(backend) => backend.prefill(tokens, pos0, &mut self.cache, outputs, &mut self.hidden)?,
-            None => self.forward_on_cpu(tokens, outputs)?,
+            None => self.forward_on_cpu(tokens, outputs, true)?,
         }
         self.n_past += n;
         Ok(())
     }
 
     /// The forward pass of `tokens` on the CPU under the session's policy
-    /// (every decoding step's, whatever prefills the prompts); the caller
-    /// advances the position.
-    fn forward_on_cpu(&mut self, tokens: &[u32], outputs: Outputs) -> Result<(), EngineError> {
+    /// (every decoding step's, whatever prefills the prompts), its progress
+    /// reported if `prompt`; the caller advances the position.
+    fn forward_on_cpu(&mut self, tokens: &[u32], outputs: Outputs, prompt: bool) -> Result<(), EngineError> {
         let attention = Attention { policy: &mut *self.policy, step: self.steps, records: &mut self.records };
-        let mut cpu = CpuPrefill { model: self.model, scratch: &mut self.scratch, attention, batch: self.batch };
+        // (The reborrow shortens the callback's lifetime to the call's.)
+        let progress = if prompt { self.progress.as_deref_mut().map(|p| p as _) } else { None };
+        let (model, scratch, batch) = (self.model, &mut self.scratch, self.batch);
+        let mut cpu = CpuPrefill { model, scratch, attention, batch, progress };
         cpu.prefill(tokens, self.n_past, &mut self.cache, outputs, &mut self.hidden)
     }
 

@@ -38,7 +38,8 @@ impl PrefillBackend for Counting<'_> {
         self.tokens.fetch_add(tokens.len(), Ordering::Relaxed);
         let mut records: Vec<HeadRecord> = Vec::new();
         let attention = Attention { policy: &mut Dense, step: 0, records: &mut records };
-        let mut cpu = CpuPrefill { model: self.model, scratch: &mut self.scratch, attention, batch: 512 };
+        let mut cpu =
+            CpuPrefill { model: self.model, scratch: &mut self.scratch, attention, batch: 512, progress: None };
         cpu.prefill(tokens, pos0, cache, outputs, hidden)
     }
 }
@@ -70,4 +71,37 @@ fn decoding_steps_never_go_to_the_prefill_backend() {
         next = argmax(&want) as u32;
     }
     assert_eq!(taken.load(Ordering::Relaxed), prompt.len(), "the backend took the prompt and nothing else");
+}
+
+#[test]
+fn prefill_progress_is_told_each_batch_of_a_prompt_and_changes_nothing() {
+    let Some(shared) = common::shared_dir("prefill_progress_is_told_each_batch_of_a_prompt") else { return };
+    let file = GgufFile::open(shared.join("anchors/models/tiny-llama.gguf")).unwrap();
+    let model = Model::load(&file).unwrap();
+    let prompt: Vec<u32> = (1..40).map(|i| (i * 7) % 200 + 3).collect();
+
+    let mut plain = Session::with_batch(&model, 256, 16);
+    let mut watched = Session::with_batch(&model, 256, 16);
+    let told = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = told.clone();
+    watched.set_prefill_progress(Some(Box::new(move |done, total| log.lock().unwrap().push((done, total)))));
+
+    let want = plain.prefill(&prompt).unwrap().to_vec();
+    assert_eq!(watched.prefill(&prompt).unwrap(), &want[..], "the prompt's logits");
+    assert_eq!(
+        *told.lock().unwrap(),
+        [(0, 39), (16, 39), (32, 39), (39, 39)],
+        "one report before the batches and one after each"
+    );
+    let next = argmax(&want) as u32;
+    assert_eq!(watched.decode(next).unwrap(), plain.decode(next).unwrap(), "a decoding step's logits");
+    assert_eq!(told.lock().unwrap().len(), 4, "a decoding step is not a prompt: no report");
+
+    // A prompt a backend takes is the backend's to report.
+    watched.reset();
+    told.lock().unwrap().clear();
+    let taken = Arc::new(AtomicUsize::new(0));
+    watched.set_prefill_backend(Box::new(Counting { model: &model, scratch: Scratch::default(), tokens: taken }));
+    watched.prefill(&prompt).unwrap();
+    assert!(told.lock().unwrap().is_empty(), "reports for a prompt the CPU did not run: {:?}", told.lock().unwrap());
 }

@@ -175,7 +175,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let samples = measure(args.reps, p, || {
                     let mut session = session(depth + p)?;
                     if depth > 0 {
+                        session.set_prefill_progress(Some(super::prefill_bar()));
                         session.prefill(&context)?;
+                        session.set_prefill_progress(None);
                     }
                     let t = Instant::now();
                     session.prefill(&prompt)?;
@@ -192,7 +194,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let mut reads = Reads::default();
                 let samples = measure(args.reps, n, || {
                     let mut session = session(depth + n + 1)?;
+                    session.set_prefill_progress(Some(super::prefill_bar()));
                     session.prefill(&context)?;
+                    session.set_prefill_progress(None);
                     reads = Reads::default();
                     let t = Instant::now();
                     for &token in &steps {

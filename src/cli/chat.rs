@@ -110,6 +110,9 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         tokens: 0,
     };
     args.generation.gpu.attach(&model, chat.conversation.session_mut())?;
+    if !args.quiet {
+        chat.conversation.session_mut().set_prefill_progress(Some(super::prefill_bar()));
+    }
     chat.set_system(args.system);
     if std::io::stdin().is_terminal() {
         chat.interactive()?;

@@ -12,16 +12,17 @@ mod run;
 mod serve;
 mod tokenize;
 
-use std::io::Read;
+use std::io::{IsTerminal, Read};
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::builder::TypedValueParser;
 use clap::{Args, CommandFactory, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sift::audit::{AuditError, AuditLog};
 use sift::chat::{ChatError, ChatTemplate, Origin};
 use sift::conversation::ConversationError;
-use sift::engine::{EngineError, Session};
+use sift::engine::{EngineError, PrefillProgress, Session};
 use sift::gguf::{GgufError, GgufFile, Residence};
 use sift::gpu::on_demand::{GpuMode, OnDemand, PrefillOptions};
 use sift::gpu::route::calibration::CalibrationFile;
@@ -414,7 +415,6 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
 
 /// `-p TEXT`, or standard input for `-p -` (or no `-p` with input piped in).
 pub fn read_prompt(prompt: Option<&str>) -> anyhow::Result<String> {
-    use std::io::IsTerminal;
     match prompt {
         Some("-") => read_stdin(),
         Some(text) => Ok(text.to_string()),
@@ -443,6 +443,38 @@ pub struct Usage(pub String);
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct InputError(pub String);
+
+/// Prompts at least this long get a progress bar while the CPU prefills
+/// them (a few seconds on a laptop's cores).
+const LONG_PROMPT: usize = 2048;
+
+/// Tokens done of `total`, their rate and the time left, drawn only on a
+/// terminal.
+pub fn token_bar(total: usize) -> ProgressBar {
+    let target =
+        if std::io::stderr().is_terminal() { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
+    ProgressBar::with_draw_target(Some(total as u64), target).with_style(
+        ProgressStyle::with_template("{msg}{bar:30} {pos}/{len} tokens  {per_sec:0}  eta {eta}")
+            .expect("static progress template"),
+    )
+}
+
+/// A session's prefill progress as a bar for each prompt of at least
+/// [`LONG_PROMPT`] tokens, cleared when the prompt is in.
+pub fn prefill_bar() -> PrefillProgress<'static> {
+    let mut bar: Option<ProgressBar> = None;
+    Box::new(move |done, total| {
+        if total < LONG_PROMPT {
+            return;
+        }
+        let shown = bar.get_or_insert_with(|| token_bar(total).with_message("prefill "));
+        shown.set_position(done as u64);
+        if done == total {
+            shown.finish_and_clear();
+            bar = None;
+        }
+    })
+}
 
 /// The error and its causes on one line, each cause once: an error whose
 /// message already quotes its cause (an I/O error after a path) does not

@@ -3,12 +3,10 @@
 //! attention policies), and the audit of a sparse attention policy against
 //! exact attention over the scored tokens.
 
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use clap::Args;
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sift::attn::audit::{AuditTable, AuditTables, Audited, ShadowLog};
 use sift::attn::{AttentionKind, AttentionPolicy, HeadRecord};
 use sift::audit::{AttentionRow, AuditHeader, AuditLog, AuditSummary};
@@ -140,7 +138,7 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         log.header(&AuditHeader::new(file.path(), arch, args.cache.kv_cache, kind, args.ctx, None, None))?;
     }
 
-    let bar = progress_bar(total);
+    let bar = super::token_bar(total);
     let started = std::time::Instant::now();
     let (mut books, mut all, mut base_used) = (Vec::new(), Evaluation::default(), 0);
     let mut checked: Vec<HeadRecord> = Vec::new();
@@ -269,16 +267,6 @@ fn text_files(names: &[PathBuf]) -> anyhow::Result<Vec<PathBuf>> {
 fn read_text(path: &Path) -> anyhow::Result<String> {
     let bytes = std::fs::read(path).map_err(|e| InputError(format!("{}: cannot read: {e}", path.display())))?;
     Ok(String::from_utf8(bytes).map_err(|_| InputError(format!("{}: not valid UTF-8 text", path.display())))?)
-}
-
-/// Tokens evaluated, their rate and the time left, drawn only on a terminal.
-fn progress_bar(total: usize) -> ProgressBar {
-    let target =
-        if std::io::stderr().is_terminal() { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
-    ProgressBar::with_draw_target(Some(total as u64), target).with_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} tokens  {per_sec}  eta {eta}")
-            .expect("static progress template"),
-    )
 }
 
 fn print_text(overall: &PerplexityReport, kl: Option<&KlReport>, books: &[Book]) {

@@ -97,6 +97,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut conversation = Conversation::new(&model, &tokenizer, n_ctx, storage, policy, sampling.clone());
     conversation.set_rectify(rectify)?;
     args.generation.gpu.attach(&model, conversation.session_mut())?;
+    if !args.quiet {
+        conversation.session_mut().set_prefill_progress(Some(super::prefill_bar()));
+    }
     conversation.check_fits(&prompt_ids)?;
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
