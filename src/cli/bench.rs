@@ -114,6 +114,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     args.policy.check()?;
     let file = args.model.open()?;
     let model = Model::load(&file)?;
+    let longest = args.prompts.iter().chain(&args.gens).max().copied().unwrap_or(0) + 1;
+    let deepest = args.depths.iter().max().copied().unwrap_or(0) + longest;
+    if deepest > model.hp.n_ctx_train {
+        eprintln!(
+            "sift: warning: the deepest test reaches position {deepest}, past the model's training context of {}",
+            model.hp.n_ctx_train
+        );
+    }
     sift::matmul::set_f32_activations(args.f32_activations);
     let bos = sift::tokenizer::Tokenizer::from_gguf(&file)?.bos();
     let mut rng = StdRng::seed_from_u64(1234);
