@@ -226,6 +226,7 @@ fn bad_requests_get_openais_errors_with_the_right_status() {
         "temperature",
     );
     assert_error(chat(r#"{"messages": [{"role": "tool", "content": "Hi"}]}"#, &key), 400, "role");
+    assert_error(chat(r#"{"messages": []}"#, &key), 400, "at least one message");
     let long = format!(r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#, "word ".repeat(200));
     assert_error(chat(&long, &key), 400, "but the context holds 64");
     let oversized = format!(r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#, "x".repeat(4000));

@@ -135,6 +135,9 @@ fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, 
 async fn chat_completions(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
     let handle = async {
         let request: ChatRequest = parse(body)?;
+        if request.messages.is_empty() {
+            return Err(ApiError::invalid("messages: at least one message is needed"));
+        }
         let messages = request.messages.iter().map(|m| m.to_message()).collect::<Result<Vec<_>, _>>()?;
         let top = request.logprobs.then(|| request.top_logprobs.unwrap_or(0));
         let params = request.options.params(&server.config.defaults, top)?;
