@@ -44,12 +44,22 @@ impl PrefillBackend for Counting<'_> {
     }
 }
 
+/// The tiny random-weight Llama of the shared anchors, if they are here.
+fn tiny_llama(test: &str) -> Option<GgufFile> {
+    let shared = common::shared_dir(test)?;
+    Some(GgufFile::open(shared.join("anchors/models/tiny-llama.gguf")).unwrap())
+}
+
+/// A prompt of 39 tokens.
+fn prompt() -> Vec<u32> {
+    (1..40).map(|i| (i * 7) % 200 + 3).collect()
+}
+
 #[test]
 fn decoding_steps_never_go_to_the_prefill_backend() {
-    let Some(shared) = common::shared_dir("decoding_steps_never_go_to_the_prefill_backend") else { return };
-    let file = GgufFile::open(shared.join("anchors/models/tiny-llama.gguf")).unwrap();
+    let Some(file) = tiny_llama("decoding_steps_never_go_to_the_prefill_backend") else { return };
     let model = Model::load(&file).unwrap();
-    let prompt: Vec<u32> = (1..40).map(|i| (i * 7) % 200 + 3).collect();
+    let prompt = prompt();
 
     let mut plain = Session::new(&model, 256);
     let mut backed = Session::new(&model, 256);
@@ -75,10 +85,9 @@ fn decoding_steps_never_go_to_the_prefill_backend() {
 
 #[test]
 fn prefill_progress_is_told_each_batch_of_a_prompt_and_changes_nothing() {
-    let Some(shared) = common::shared_dir("prefill_progress_is_told_each_batch_of_a_prompt") else { return };
-    let file = GgufFile::open(shared.join("anchors/models/tiny-llama.gguf")).unwrap();
+    let Some(file) = tiny_llama("prefill_progress_is_told_each_batch_of_a_prompt") else { return };
     let model = Model::load(&file).unwrap();
-    let prompt: Vec<u32> = (1..40).map(|i| (i * 7) % 200 + 3).collect();
+    let prompt = prompt();
 
     let mut plain = Session::with_batch(&model, 256, 16);
     let mut watched = Session::with_batch(&model, 256, 16);
@@ -96,6 +105,12 @@ fn prefill_progress_is_told_each_batch_of_a_prompt_and_changes_nothing() {
     let next = argmax(&want) as u32;
     assert_eq!(watched.decode(next).unwrap(), plain.decode(next).unwrap(), "a decoding step's logits");
     assert_eq!(told.lock().unwrap().len(), 4, "a decoding step is not a prompt: no report");
+
+    // A later prompt (a chat's next turn) counts from its own start.
+    told.lock().unwrap().clear();
+    let turn = &prompt[..20];
+    assert_eq!(watched.prefill(turn).unwrap(), plain.prefill(turn).unwrap(), "the next prompt's logits");
+    assert_eq!(*told.lock().unwrap(), [(0, 20), (16, 20), (20, 20)], "the next prompt's reports");
 
     // A prompt a backend takes is the backend's to report.
     watched.reset();
