@@ -320,3 +320,18 @@ fn x_sift_carries_the_policys_certificate() {
     assert_eq!(attention["kind"], "topk", "{reply}");
     assert_ne!(attention["epsilon"], 0.0, "top-k promises no exactness: {attention}");
 }
+
+/// `/v1/models/{id}` retrieves the one model, and no other.
+#[test]
+fn the_model_is_retrieved_by_its_name() {
+    common::default_model();
+    let server = Server::start(&[]);
+    let (status, card) = server.get("/v1/models/gemma-3-270m-Q4_K_M", &[]);
+    assert_eq!(status, 200, "{card}");
+    let card: Value = serde_json::from_str(&card).unwrap();
+    assert_eq!((card["id"].as_str(), card["object"].as_str()), (Some("gemma-3-270m-Q4_K_M"), Some("model")));
+    let (status, error) = server.get("/v1/models/gpt-4o", &[]);
+    assert_eq!(status, 404, "{error}");
+    let error: Value = serde_json::from_str(&error).unwrap();
+    assert_eq!(error["error"]["code"], "model_not_found", "{error}");
+}

@@ -1,7 +1,7 @@
 """The official `openai` client against `sift serve`: one chat completion whole, one streamed.
 
-Usage: serve_openai.py BASE_URL MESSAGE MAX_TOKENS. Prints one JSON object with the model list
-and both replies' text, for tests/serve_python.rs to compare with `sift run --chat`.
+Usage: serve_openai.py BASE_URL MESSAGE MAX_TOKENS. Prints one JSON object with the model list,
+the model retrieved by name, and both replies' text, for tests/serve_python.rs to compare with `sift run --chat`.
 """
 
 import json
@@ -14,6 +14,7 @@ def main() -> None:
     base, message, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
     client = OpenAI(base_url=base + "/v1", api_key="sesame", max_retries=0, timeout=300)
     models = [m.id for m in client.models.list()]
+    retrieved = client.models.retrieve(models[0]).id
     request = dict(
         model=models[0],
         messages=[{"role": "user", "content": message}],
@@ -31,6 +32,7 @@ def main() -> None:
         json.dumps(
             {
                 "models": models,
+                "retrieved": retrieved,
                 "whole": whole.choices[0].message.content,
                 "whole_finish": whole.choices[0].finish_reason,
                 "completion_tokens": whole.usage.completion_tokens,

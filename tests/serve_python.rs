@@ -35,6 +35,7 @@ fn the_openai_python_client_gets_the_greedy_reply_whole_and_streamed() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let got: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(got["models"][0], "gemma-3-270m-Q4_K_M");
+    assert_eq!(got["retrieved"], "gemma-3-270m-Q4_K_M");
     assert_eq!(got["whole"], reference["text"]);
     assert_eq!(got["streamed"], reference["text"]);
     assert!(got["streamed_chunks"].as_u64().unwrap() > 2, "{got}");

@@ -42,6 +42,12 @@ impl ApiError {
         Self::new(StatusCode::NOT_FOUND, "invalid_request_error", None, format!("no route {path}"))
     }
 
+    /// 404: the model asked for is not the one served.
+    pub fn model_not_found(asked: &str, served: &str) -> Self {
+        let message = format!("the model '{asked}' does not exist here; this server has '{served}'");
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", Some("model_not_found"), message)
+    }
+
     /// 503: the queue is full; worth trying again after `retry_after` seconds.
     pub fn busy(queue: usize) -> Self {
         let message = format!("the server is busy: {queue} requests are already waiting");

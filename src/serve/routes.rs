@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -53,6 +53,7 @@ pub fn run(listener: std::net::TcpListener, queue: Queue, config: Config, n_ctx:
         .route("/", get(|| async { Html(PAGE) }))
         .route("/health", get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
         .route("/v1/models", get(models))
+        .route("/v1/models/{model}", get(model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
@@ -102,6 +103,13 @@ async fn authorize(State(server): State<Arc<Server>>, request: Request, next: Ne
 
 async fn models(State(server): State<Arc<Server>>) -> Json<ModelList> {
     Json(ModelList { object: "list", data: vec![server.card()] })
+}
+
+async fn model(State(server): State<Arc<Server>>, Path(asked): Path<String>) -> Result<Json<ModelCard>, ApiError> {
+    match asked == server.config.model_id {
+        true => Ok(Json(server.card())),
+        false => Err(ApiError::model_not_found(&asked, &server.config.model_id)),
+    }
 }
 
 impl Server {
