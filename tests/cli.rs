@@ -55,6 +55,7 @@ fn help_lists_the_subcommands() {
 fn usage_errors_exit_1() {
     assert_eq!(sift(&["frobnicate"]).status.code(), Some(1));
     assert_eq!(sift(&["run", "--temp", "warm"]).status.code(), Some(1));
+    assert_fails(&sift(&["serve", "--cors-origin", "example.com"]), 1, "not an origin");
 }
 
 #[test]

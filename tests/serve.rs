@@ -1,6 +1,7 @@
 //! `sift serve` through a real HTTP client: greedy replies equal `sift run --chat` and `sift chat`,
-//! stop strings, a client that leaves mid-stream, the bounded queue, OpenAI's errors and a
-//! graceful stop. Every server listens on 127.0.0.1 and is killed at the end of its test.
+//! stop strings, a client that leaves mid-stream, the bounded queue, OpenAI's errors, the model
+//! retrieved by name, which browser pages may call (CORS) and a graceful stop. Every server
+//! listens on 127.0.0.1 and is killed at the end of its test.
 
 mod common;
 
@@ -334,4 +335,33 @@ fn the_model_is_retrieved_by_its_name() {
     assert_eq!(status, 404, "{error}");
     let error: Value = serde_json::from_str(&error).unwrap();
     assert_eq!(error["error"]["code"], "model_not_found", "{error}");
+}
+
+/// A browser page served from this machine may call the API, a web site only when named by
+/// `--cors-origin`; the key is asked of both.
+#[test]
+fn browser_pages_of_this_machine_may_call_the_api_and_other_sites_only_when_named() {
+    common::default_model();
+    let key = [("Authorization", "Bearer sesame")];
+    let server = Server::start(&["--api-key", "sesame", "--cors-origin", "https://chat.example.com/"]);
+    let allows = |headers: &[(String, String)], origin: &str| {
+        headers.iter().any(|(name, value)| name == "access-control-allow-origin" && value == origin)
+    };
+    for origin in ["http://localhost:3000", "http://127.0.0.1:5173", "https://chat.example.com"] {
+        let (status, headers) = server.preflight("/v1/chat/completions", origin);
+        assert_eq!(status, 200, "preflight from {origin}: {headers:?}");
+        assert!(allows(&headers, origin), "preflight from {origin}: {headers:?}");
+        let asked = headers.iter().find(|(name, _)| name == "access-control-allow-headers");
+        assert!(asked.is_some_and(|(_, v)| v.contains("authorization")), "{headers:?}");
+        let (status, headers) = server.get_from("/v1/models", origin, &key);
+        assert_eq!(status, 200);
+        assert!(allows(&headers, origin), "GET from {origin}: {headers:?}");
+        assert_eq!(server.get_from("/v1/models", origin, &[]).0, 401, "the key is still needed");
+    }
+    for origin in ["https://example.com", "http://localhost.example.com"] {
+        let (_, headers) = server.preflight("/v1/chat/completions", origin);
+        assert!(headers.iter().all(|(name, _)| name != "access-control-allow-origin"), "{origin}: {headers:?}");
+        let (_, headers) = server.get_from("/v1/models", origin, &key);
+        assert!(headers.iter().all(|(name, _)| name != "access-control-allow-origin"), "{origin}: {headers:?}");
+    }
 }

@@ -9,7 +9,7 @@ use clap::Args;
 use sift::chat::ChatTemplate;
 use sift::conversation::Conversation;
 use sift::model::Model;
-use sift::serve::{Config, Params};
+use sift::serve::{Config, Origins, Params};
 use sift::tokenizer::Tokenizer;
 
 use super::{announce_template, context_size, GenerationArgs, ModelArgs};
@@ -30,6 +30,10 @@ pub struct ServeArgs {
     /// Requests that may wait while one is served; more get 503 with Retry-After
     #[arg(long, default_value_t = 16)]
     queue: usize,
+    /// A web origin (`http://host:port`) whose pages may call the API from a browser, besides
+    /// this machine's own (localhost, 127.0.0.1, [::1]); repeatable; `*` allows any
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
     /// Largest request body accepted, in bytes (larger ones get 413)
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
@@ -52,6 +56,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let sampling = args.generation.sampling();
     let policy = args.generation.attention.policy(sampling.seed, false)?;
     let rectify = args.generation.attention.rectify(false)?;
+    let origins = Origins::parse(&args.cors_origins).map_err(super::Usage)?;
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
@@ -82,6 +87,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         api_key: args.api_key,
         queue: args.queue,
         max_body: args.max_body,
+        origins,
         defaults: Params { sampling, max_tokens: args.n_predict, stop: Vec::new(), top_logprobs: None },
     };
     // The first line on stdout, once connections are taken: scripts read the port from it.

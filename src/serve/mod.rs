@@ -14,6 +14,7 @@
 //! finish, and returns.
 
 mod api;
+mod cors;
 mod error;
 mod routes;
 mod worker;
@@ -24,6 +25,7 @@ use crate::chat::ChatTemplate;
 use crate::conversation::Conversation;
 
 pub use api::Params;
+pub use cors::Origins;
 
 /// How the server runs.
 #[derive(Debug, Clone)]
@@ -35,6 +37,8 @@ pub struct Config {
     pub queue: usize,
     /// The largest request body accepted, in bytes.
     pub max_body: usize,
+    /// Web origins whose pages may call the API from a browser.
+    pub origins: Origins,
     /// Sampling and limits for what a request leaves out.
     pub defaults: Params,
 }

@@ -48,6 +48,7 @@ struct Server {
 pub fn run(listener: std::net::TcpListener, queue: Queue, config: Config, n_ctx: usize) -> Result<(), ServeError> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(ServeError::Runtime)?;
     let max_body = config.max_body;
+    let cors = config.origins.layer();
     let server = Arc::new(Server { queue, config, n_ctx, started: unix_now(), next_id: AtomicU64::new(1) });
     let app = Router::new()
         .route("/", get(|| async { Html(PAGE) }))
@@ -59,6 +60,7 @@ pub fn run(listener: std::net::TcpListener, queue: Queue, config: Config, n_ctx:
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
         .layer(middleware::from_fn_with_state(server.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(cors)
         .with_state(server);
     runtime.block_on(async move {
         listener.set_nonblocking(true).map_err(ServeError::Runtime)?;

@@ -85,6 +85,30 @@ impl Server {
         (response.status().as_u16(), response.body_mut().read_to_string().expect("read the body"))
     }
 
+    /// A CORS preflight from a page of `origin` before a POST to `path` with an API key: the
+    /// status and the `Access-Control-Allow-*` headers, by name.
+    pub fn preflight(&self, path: &str, origin: &str) -> (u16, Vec<(String, String)>) {
+        let response = self
+            .agent
+            .options(self.url(path))
+            .header("Origin", origin)
+            .header("Access-Control-Request-Method", "POST")
+            .header("Access-Control-Request-Headers", "authorization,content-type")
+            .call()
+            .expect("OPTIONS");
+        (response.status().as_u16(), cors_headers(response.headers()))
+    }
+
+    /// A GET from a page of `origin`: the status and the `Access-Control-Allow-*` headers.
+    pub fn get_from(&self, path: &str, origin: &str, headers: &[(&str, &str)]) -> (u16, Vec<(String, String)>) {
+        let mut request = self.agent.get(self.url(path)).header("Origin", origin);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let response = request.call().expect("GET");
+        (response.status().as_u16(), cors_headers(response.headers()))
+    }
+
     /// POSTs a streaming request and returns the open stream of server-sent events.
     pub fn stream(&self, path: &str, body: &serde_json::Value) -> Events {
         let response = self
@@ -159,6 +183,11 @@ impl Events {
 }
 
 /// The text of a streamed chat completion: its deltas, joined.
+fn cors_headers(headers: &ureq::http::HeaderMap) -> Vec<(String, String)> {
+    let cors = headers.iter().filter(|(name, _)| name.as_str().starts_with("access-control-allow-"));
+    cors.map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_string())).collect()
+}
+
 pub fn streamed_text(chunks: &[serde_json::Value]) -> String {
     chunks
         .iter()
