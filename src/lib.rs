@@ -10,6 +10,10 @@
 //! [`conversation`] keeps a session's cache across the requests of a conversation, for the
 //! command line and for [`serve`], the HTTP server; [`audit`] records a generation token by token.
 
+// The docs are read with private items (`cargo doc --document-private-items`):
+// a module's notes name its private helpers.
+#![allow(rustdoc::private_intra_doc_links)]
+
 pub mod attn;
 pub mod audit;
 pub mod chat;

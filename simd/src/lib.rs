@@ -48,6 +48,9 @@
 // Block kernels index fixed-size arrays by position on purpose: it mirrors the
 // layouts and is what LLVM vectorizes best.
 #![allow(clippy::needless_range_loop)]
+// The docs are read with private items (`cargo doc --document-private-items`):
+// a module's notes name its private helpers.
+#![allow(rustdoc::private_intra_doc_links)]
 
 mod attention;
 mod dispatch;

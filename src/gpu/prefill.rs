@@ -6,7 +6,7 @@
 //! embedding a prompt is a row lookup, and only the rows the caller wants
 //! logits for leave the GPU, as final hidden states.
 //!
-//! [`GpuPrefill::prefill`] runs positions `0..n` in chunks as large as the
+//! [`GpuPrefill::prefill_into`] runs positions `0..n` in chunks as large as the
 //! device's binding limit allows (on an H200 a 32K prompt is one chunk). Each
 //! layer's keys and values stay resident on the GPU, in f16, for the whole
 //! prompt, so a later chunk attends to every earlier position without reading

@@ -491,7 +491,7 @@ impl ScanQuery {
 
     /// Prepares `q` for `sketch`'s page, whose minima and steps `affine`
     /// holds ([`KeySketch::affine_f32`]: the query heads of a KV head share
-    /// them). All in f32, each sum in [`LANES`] lanes; the module's note
+    /// them). All in f32, each sum in the kernel's 16 lanes; the module's note
     /// derives the slack that makes the constants bounds.
     pub fn prepare_with(&mut self, sketch: &KeySketch, q: &[f32], affine: &[f32]) {
         let dim = sketch.dim;

@@ -22,7 +22,7 @@
 //! Where the sketch keeps 8-bit codes, the scan refines as it goes: one
 //! pass over each page's coarse and fine codes gives, for all the group's
 //! heads at once, the scan's bounds and the 8-bit ones
-//! ([`KeySketch::refine_page`]), and the keys get the refined upper bounds
+//! ([`KeySketch::refine_page`](crate::kv::KeySketch::refine_page)), and the keys get the refined upper bounds
 //! at once. The largest lower bound, and so each head's shift, is the 4-bit
 //! scan's all the same (its bounds come out of the same pass, bit for bit),
 //! so the keys that enter a level are those the 4-bit scan alone would have
