@@ -180,8 +180,7 @@ impl<'m> Conversation<'m> {
         let generated = match generated {
             Ok(generated) => generated,
             Err(e) => {
-                // What a failed step left in the cache is unknown: start over next time.
-                self.clear_cache();
+                self.recover(ids, &e);
                 return Err(e);
             }
         };
@@ -201,7 +200,10 @@ impl<'m> Conversation<'m> {
         }
         self.reset();
         if !ids.is_empty() {
-            self.session.prefill(ids)?;
+            if let Err(e) = self.session.prefill(ids) {
+                self.recover(ids, &e);
+                return Err(e);
+            }
         }
         for &id in ids {
             self.sampler.accept(id);
@@ -216,6 +218,21 @@ impl<'m> Conversation<'m> {
         self.clear_cache();
         self.sampler = Sampler::new(self.sampling.clone());
         self.stats = Stats::default();
+    }
+
+    /// After `ids` failed with `e`: a prefill stopped by its progress callback
+    /// leaves the prompt's first tokens in the cache, where the next prompt
+    /// that begins with them goes on from; after any other failure what the
+    /// cache holds is unknown, and it starts over.
+    fn recover(&mut self, ids: &[u32], e: &EngineError) {
+        match e {
+            EngineError::Interrupted { .. } => {
+                self.cached = ids[..self.session.n_past()].to_vec();
+                let sampling = self.sampling.clone();
+                self.set_sampling(sampling);
+            }
+            _ => self.clear_cache(),
+        }
     }
 
     fn clear_cache(&mut self) {

@@ -18,6 +18,8 @@
 //! last pass are run again densely in one batch and their keys and values
 //! overwritten.
 
+use std::ops::ControlFlow;
+
 use crate::attn::dense::Dense;
 use crate::attn::{AttentionKind, AttentionPolicy, HeadRecord};
 use crate::gpu::GpuError;
@@ -48,6 +50,10 @@ pub enum EngineError {
     Rectify(#[from] Settled),
     #[error("the session's cache has no key sketches, which this policy reads")]
     NoSketches,
+    /// The prefill's progress callback asked it to stop; the cache holds the
+    /// prompt's first `done` tokens, and the session counts them.
+    #[error("the prompt's prefill was stopped after {done} tokens")]
+    Interrupted { done: usize },
 }
 
 /// Runs a prompt's forward pass: stores the keys and values of `tokens` at
@@ -67,8 +73,9 @@ pub trait PrefillBackend: Send {
     ) -> Result<(), EngineError>;
 }
 
-/// Told how far a prompt's prefill has come: tokens done, of how many.
-pub type PrefillProgress<'m> = Box<dyn FnMut(usize, usize) + Send + 'm>;
+/// Told how far a prompt's prefill has come (tokens done, of how many);
+/// `Break` stops it at the next batch's start.
+pub type PrefillProgress<'m> = Box<dyn FnMut(usize, usize) -> ControlFlow<()> + Send + 'm>;
 
 /// The CPU's prefill: [`Model::forward`] over batches of at most `batch`
 /// tokens, attention by the session's policy.
@@ -77,8 +84,9 @@ pub struct CpuPrefill<'a, 'm> {
     pub scratch: &'a mut Scratch,
     pub attention: Attention<'a>,
     pub batch: usize,
-    /// Told the tokens done before the first batch and after each.
-    pub progress: Option<&'a mut (dyn FnMut(usize, usize) + Send)>,
+    /// Told the tokens done before the first batch and after each; `Break`
+    /// stops the prefill there, with [`EngineError::Interrupted`].
+    pub progress: Option<&'a mut (dyn FnMut(usize, usize) -> ControlFlow<()> + Send)>,
 }
 
 impl PrefillBackend for CpuPrefill<'_, '_> {
@@ -96,19 +104,20 @@ impl PrefillBackend for CpuPrefill<'_, '_> {
     ) -> Result<(), EngineError> {
         hidden.clear();
         let mut pos = pos0;
-        let mut report = |done| {
-            if let Some(progress) = self.progress.as_mut() {
-                progress(done, tokens.len());
-            }
-        };
-        report(0);
         for chunk in tokens.chunks(self.batch) {
+            let done = pos - pos0;
+            if let Some(ControlFlow::Break(())) = self.progress.as_mut().map(|progress| progress(done, tokens.len())) {
+                return Err(EngineError::Interrupted { done });
+            }
             self.model.forward(chunk, pos, cache, self.scratch, outputs, &mut self.attention, None);
             if outputs == Outputs::All {
                 hidden.extend_from_slice(&self.scratch.hidden);
             }
             pos += chunk.len();
-            report(pos - pos0);
+        }
+        if let Some(progress) = self.progress.as_mut() {
+            // The prompt is in: nothing is left to stop.
+            let _ = progress(tokens.len(), tokens.len());
         }
         if outputs == Outputs::Last {
             hidden.extend_from_slice(&self.scratch.hidden);
@@ -205,7 +214,10 @@ impl<'m> Session<'m> {
 
     /// Tells `progress` how far the CPU has come with each prompt it
     /// prefills, batch by batch (a backend that takes a prompt runs it
-    /// unreported); `None` stops the reports.
+    /// unreported); `None` stops the reports. When `progress` answers
+    /// `Break`, the prefill stops before its next batch with
+    /// [`EngineError::Interrupted`], the batches done kept: the session
+    /// counts them, and a later prefill goes on from there.
     pub fn set_prefill_progress(&mut self, progress: Option<PrefillProgress<'m>>) {
         self.progress = progress;
     }
@@ -409,12 +421,16 @@ impl<'m> Session<'m> {
     /// cache and, on the CPU, to the records.
     fn forward(&mut self, tokens: &[u32], outputs: Outputs) -> Result<(), EngineError> {
         let (pos0, n) = (self.n_past, tokens.len());
-        match self.prefill_backend.as_deref_mut().and_then(|b| b.takes(pos0, n).then_some(b)) {
-            Some(backend) => backend.prefill(tokens, pos0, &mut self.cache, outputs, &mut self.hidden)?,
-            None => self.forward_on_cpu(tokens, outputs, true)?,
+        let done = match self.prefill_backend.as_deref_mut().and_then(|b| b.takes(pos0, n).then_some(b)) {
+            Some(backend) => backend.prefill(tokens, pos0, &mut self.cache, outputs, &mut self.hidden),
+            None => self.forward_on_cpu(tokens, outputs, true),
+        };
+        match done {
+            Ok(()) => self.n_past += n,
+            Err(EngineError::Interrupted { done }) => self.n_past += done,
+            Err(_) => {}
         }
-        self.n_past += n;
-        Ok(())
+        done
     }
 
     /// The forward pass of `tokens` on the CPU under the session's policy

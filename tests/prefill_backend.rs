@@ -11,6 +11,7 @@ use sift::gguf::GgufFile;
 use sift::kv::KvCache;
 use sift::model::{Attention, Model, Outputs, Scratch};
 use sift::sample::argmax;
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -93,7 +94,10 @@ fn prefill_progress_is_told_each_batch_of_a_prompt_and_changes_nothing() {
     let mut watched = Session::with_batch(&model, 256, 16);
     let told = Arc::new(std::sync::Mutex::new(Vec::new()));
     let log = told.clone();
-    watched.set_prefill_progress(Some(Box::new(move |done, total| log.lock().unwrap().push((done, total)))));
+    watched.set_prefill_progress(Some(Box::new(move |done, total| {
+        log.lock().unwrap().push((done, total));
+        ControlFlow::Continue(())
+    })));
 
     let want = plain.prefill(&prompt).unwrap().to_vec();
     assert_eq!(watched.prefill(&prompt).unwrap(), &want[..], "the prompt's logits");
@@ -119,4 +123,29 @@ fn prefill_progress_is_told_each_batch_of_a_prompt_and_changes_nothing() {
     watched.set_prefill_backend(Box::new(Counting { model: &model, scratch: Scratch::default(), tokens: taken }));
     watched.prefill(&prompt).unwrap();
     assert!(told.lock().unwrap().is_empty(), "reports for a prompt the CPU did not run: {:?}", told.lock().unwrap());
+}
+
+#[test]
+fn a_prefill_stopped_by_its_progress_keeps_its_batches_and_goes_on_from_them() {
+    let Some(file) = tiny_llama("a_prefill_stopped_by_its_progress_keeps_its_batches") else { return };
+    let model = Model::load(&file).unwrap();
+    let prompt = prompt();
+
+    let mut plain = Session::with_batch(&model, 256, 16);
+    let want = plain.prefill(&prompt).unwrap().to_vec();
+
+    let mut stopped = Session::with_batch(&model, 256, 16);
+    stopped.set_prefill_progress(Some(Box::new(|done, _| match done {
+        0 => ControlFlow::Continue(()),
+        _ => ControlFlow::Break(()),
+    })));
+    match stopped.prefill(&prompt) {
+        Err(EngineError::Interrupted { done: 16 }) => {}
+        other => panic!("stopped after the first batch: {:?}", other.map(|logits| logits.len())),
+    }
+    assert_eq!(stopped.n_past(), 16, "the batch done is counted");
+    stopped.set_prefill_progress(None);
+    assert_eq!(stopped.prefill(&prompt[16..]).unwrap(), &want[..], "going on from the batch done");
+    let next = argmax(&want) as u32;
+    assert_eq!(stopped.decode(next).unwrap(), plain.decode(next).unwrap(), "a decoding step after it");
 }

@@ -183,7 +183,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let samples = measure(args.reps, p, || {
                     let mut session = session(depth + p)?;
                     if depth > 0 {
-                        session.set_prefill_progress(Some(super::prefill_bar()));
+                        session.set_prefill_progress(Some(super::prefill_progress(true, None)));
                         session.prefill(&context)?;
                         session.set_prefill_progress(None);
                     }
@@ -202,7 +202,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 let mut reads = Reads::default();
                 let samples = measure(args.reps, n, || {
                     let mut session = session(depth + n + 1)?;
-                    session.set_prefill_progress(Some(super::prefill_bar()));
+                    session.set_prefill_progress(Some(super::prefill_progress(true, None)));
                     session.prefill(&context)?;
                     session.set_prefill_progress(None);
                     reads = Reads::default();

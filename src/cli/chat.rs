@@ -110,9 +110,9 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         tokens: 0,
     };
     args.generation.gpu.attach(&model, chat.conversation.session_mut())?;
-    if !args.quiet {
-        chat.conversation.session_mut().set_prefill_progress(Some(super::prefill_bar()));
-    }
+    // Ctrl-C stops a long prompt's prefill as it stops a reply.
+    let progress = super::prefill_progress(!args.quiet, Some(&INTERRUPTED));
+    chat.conversation.session_mut().set_prefill_progress(Some(progress));
     chat.set_system(args.system);
     if std::io::stdin().is_terminal() {
         chat.interactive()?;
@@ -350,6 +350,11 @@ impl Chat<'_> {
             |sampled: &Sampled| audit_token(audit.as_mut(), &mut audit_failure, sampled, tokenizer, Some(turn));
         let generated = self.reply(text, limits, on_text, on_token);
         self.audit = audit;
+        if generated.is_err() && INTERRUPTED.load(Ordering::Relaxed) {
+            // Ctrl-C during the prompt's prefill: the turn is dropped, the conversation goes on.
+            eprintln!("sift: reply interrupted");
+            return Ok(());
+        }
         let generated = generated?;
         if let Some(e) = audit_failure {
             return Err(e.into());

@@ -13,7 +13,9 @@ mod serve;
 mod tokenize;
 
 use std::io::{IsTerminal, Read};
+use std::ops::ControlFlow;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::{bail, Context};
 use clap::builder::TypedValueParser;
@@ -459,19 +461,26 @@ pub fn token_bar(total: usize) -> ProgressBar {
     )
 }
 
-/// A session's prefill progress as a bar for each prompt of at least
-/// [`LONG_PROMPT`] tokens, cleared when the prompt is in.
-pub fn prefill_bar() -> PrefillProgress<'static> {
+/// A session's prefill progress: where `shown`, a bar for each prompt of at
+/// least [`LONG_PROMPT`] tokens, cleared when the prompt is in; the prefill
+/// stops at its next batch once `stop` is set (Ctrl-C in `chat`).
+pub fn prefill_progress(shown: bool, stop: Option<&'static AtomicBool>) -> PrefillProgress<'static> {
     let mut bar: Option<ProgressBar> = None;
     Box::new(move |done, total| {
-        if total < LONG_PROMPT {
-            return;
+        if shown && total >= LONG_PROMPT {
+            let drawn = bar.get_or_insert_with(|| token_bar(total).with_message("prefill "));
+            drawn.set_position(done as u64);
         }
-        let shown = bar.get_or_insert_with(|| token_bar(total).with_message("prefill "));
-        shown.set_position(done as u64);
-        if done == total {
-            shown.finish_and_clear();
-            bar = None;
+        let stopped = stop.is_some_and(|flag| flag.load(Ordering::Relaxed));
+        if done == total || stopped {
+            if let Some(drawn) = bar.take() {
+                drawn.finish_and_clear();
+            }
+        }
+        if stopped {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
         }
     })
 }

@@ -98,7 +98,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     conversation.set_rectify(rectify)?;
     args.generation.gpu.attach(&model, conversation.session_mut())?;
     if !args.quiet {
-        conversation.session_mut().set_prefill_progress(Some(super::prefill_bar()));
+        conversation.session_mut().set_prefill_progress(Some(super::prefill_progress(true, None)));
     }
     conversation.check_fits(&prompt_ids)?;
     if let Some(audit) = &mut audit {
