@@ -170,6 +170,28 @@ fn a_client_that_leaves_mid_stream_frees_the_server() {
     assert!(started.elapsed() < Duration::from_secs(20), "the next request waited {:?}", started.elapsed());
 }
 
+/// A client that leaves during a long prompt's prefill stops it at the next batch; the batches
+/// done stay in the cache, so the same prompt sent again goes on from them.
+#[test]
+fn a_client_that_leaves_during_the_prefill_stops_it_and_its_batches_are_kept() {
+    common::default_model();
+    // On the CPU, which prefills in batches (a GPU takes a prompt whole).
+    let server = Server::start(&["-c", "8192", "--gpu", "off"]);
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(600);
+    let long = json!({ "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": true });
+    let events = server.stream("/v1/completions", &long);
+    std::thread::sleep(Duration::from_secs(1));
+    drop(events);
+    let again = json!({ "prompt": prompt, "max_tokens": 1, "temperature": 0 });
+    let (status, reply) = server.post("/v1/completions", &again);
+    assert_eq!(status, 200, "{reply}");
+    let usage = &reply["usage"];
+    let (prompt_tokens, cached) =
+        (usage["prompt_tokens"].as_u64().unwrap(), usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap());
+    // Had the first prefill run to its end, its reply would have left nothing to reuse.
+    assert!(cached > 0 && cached < prompt_tokens && cached % 512 == 0, "{usage}");
+}
+
 #[test]
 fn past_the_queue_requests_get_503_with_retry_after() {
     common::default_model();

@@ -375,7 +375,12 @@ fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Resp
             }
         }
         let mut tokens = Vec::new();
-        while let Some(event) = events.recv().await {
+        // A client that leaves closes the body: this task ends, and with it the worker's
+        // channel, at once, even while no event comes (a long prompt's prefill).
+        while let Some(event) = tokio::select! {
+            event = events.recv() => event,
+            () = sse.closed() => None,
+        } {
             let sent = match event {
                 Event::Started { .. } => true,
                 Event::Token(token) => {

@@ -4,7 +4,8 @@
 //! of their own, never on the async runtime's workers. Handlers put a [`Job`] in a bounded queue
 //! (a full queue is refused at once, with 503) and read what the job produces from a channel of
 //! [`Event`]s. A client that goes away drops its end of that channel; the worker sees it before
-//! the next token and stops there, and skips a job whose client left while it waited.
+//! the next token (or the next batch of a prompt's prefill) and stops there, and skips a job
+//! whose client left while it waited.
 //!
 //! The worker keeps one [`Conversation`], so a request that extends the previous one (the next
 //! turn of a chat, whose messages repeat the earlier turns) prefills only its new tokens.
@@ -154,7 +155,15 @@ impl<'m> Worker<'m> {
             }
             ControlFlow::Continue(())
         };
-        let generated = self.conversation.generate(&ids, limits, on_text, on_token).map_err(|e| match e {
+        // A client that leaves during a long prompt's prefill stops it at the next batch (the
+        // batches done stay in the cache, for a retry of the same prompt).
+        let events = job.events.clone();
+        let progress =
+            Box::new(move |_, _| if events.is_closed() { ControlFlow::Break(()) } else { ControlFlow::Continue(()) });
+        self.conversation.session_mut().set_prefill_progress(Some(progress));
+        let generated = self.conversation.generate(&ids, limits, on_text, on_token);
+        self.conversation.session_mut().set_prefill_progress(None);
+        let generated = generated.map_err(|e| match e {
             EngineError::PromptTooLong { prompt, n_ctx } => ApiError::too_long(prompt, n_ctx),
             e => ApiError::internal(e.to_string()),
         })?;
