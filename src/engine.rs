@@ -84,8 +84,9 @@ pub struct CpuPrefill<'a, 'm> {
     pub scratch: &'a mut Scratch,
     pub attention: Attention<'a>,
     pub batch: usize,
-    /// Told the tokens done before the first batch and after each; `Break`
-    /// stops the prefill there, with [`EngineError::Interrupted`].
+    /// Told the tokens done before each batch and once all are in; `Break`
+    /// before a batch stops the prefill there, with
+    /// [`EngineError::Interrupted`].
     pub progress: Option<&'a mut (dyn FnMut(usize, usize) -> ControlFlow<()> + Send)>,
 }
 
