@@ -183,6 +183,13 @@ fn perplexity_reports_text_and_json() {
     assert!(json["ppl"].as_f64().unwrap() > 1.0 && json["ppl_stderr"].as_f64().unwrap() > 0.0);
     let missing = sift(&["perplexity", "-m", model.to_str().unwrap(), "-f", "/nonexistent.txt"]);
     assert_fails(&missing, 2, "/nonexistent.txt");
+    // Among several files, the one too short for the context is named.
+    let short = tmp("short.txt");
+    std::fs::write(&short, "Too short.").unwrap();
+    let both =
+        ["perplexity", "-m", model.to_str().unwrap(), "-f", text.to_str().unwrap(), "-f", short.to_str().unwrap()];
+    let o = sift(&[&both[..], &["-c", "64"]].concat());
+    assert_fails(&o, 3, &format!("{}: the text has", short.display()));
 }
 
 #[test]

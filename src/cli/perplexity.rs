@@ -114,8 +114,10 @@ pub fn run(args: PerplexityArgs) -> anyhow::Result<()> {
         .iter()
         .map(|text| tokenizer.encode(text, true, false).context("tokenizing the text"))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let total =
-        tokens.iter().map(|t| perplexity::tokens_to_evaluate(t.len(), args.ctx, windows)).sum::<Result<usize, _>>()?;
+    let to_evaluate = |(path, tokens): (&PathBuf, &Vec<u32>)| {
+        perplexity::tokens_to_evaluate(tokens.len(), args.ctx, windows).with_context(|| path.display().to_string())
+    };
+    let total = paths.iter().zip(&tokens).map(to_evaluate).sum::<anyhow::Result<usize>>()?;
     let base = match (&args.kl_base, args.kl) {
         (Some(path), true) => Some(perplexity::load_base(path)?),
         _ => None,
