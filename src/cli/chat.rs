@@ -20,7 +20,8 @@ use clap::Args;
 use rustyline::error::ReadlineError;
 use sift::audit::{audit_token, AuditError, AuditHeader, AuditLog, AuditSummary, ReplySummary};
 use sift::chat::{ChatTemplate, Message};
-use sift::conversation::{chat_prompt, Conversation, Stats};
+use sift::conversation::{chat_prompt, Conversation, ConversationError, Stats};
+use sift::engine::EngineError;
 use sift::generate::{Generated, Limits, Sampled, StopReason};
 use sift::model::Model;
 use sift::rectify::RectifyReport;
@@ -350,10 +351,15 @@ impl Chat<'_> {
             |sampled: &Sampled| audit_token(audit.as_mut(), &mut audit_failure, sampled, tokenizer, Some(turn));
         let generated = self.reply(text, limits, on_text, on_token);
         self.audit = audit;
-        if generated.is_err() && INTERRUPTED.load(Ordering::Relaxed) {
-            // Ctrl-C during the prompt's prefill: the turn is dropped, the conversation goes on.
-            eprintln!("sift: reply interrupted");
-            return Ok(());
+        if let Err(e) = &generated {
+            if matches!(
+                e.downcast_ref::<ConversationError>(),
+                Some(ConversationError::Engine(EngineError::Interrupted { .. }))
+            ) {
+                // Ctrl-C during the prompt's prefill: the turn is dropped, the conversation goes on.
+                eprintln!("sift: reply interrupted");
+                return Ok(());
+            }
         }
         let generated = generated?;
         if let Some(e) = audit_failure {

@@ -73,29 +73,25 @@ impl Origins {
 /// `given` as an origin, `scheme://host[:port]` without a trailing slash, or why it is not one.
 fn origin(given: &str) -> Result<String, String> {
     let trimmed = given.strip_suffix('/').unwrap_or(given);
-    let not_one = || format!("--cors-origin {given:?} is not an origin like http://host:port, nor *");
-    let uri: Uri = trimmed.parse().map_err(|_| not_one())?;
-    let web = matches!(uri.scheme_str(), Some("http" | "https"));
-    let bare = uri.path_and_query().is_none_or(|p| p.as_str().is_empty() || p.as_str() == "/");
-    match (web, uri.host(), bare) {
-        (true, Some(_), true) => Ok(trimmed.to_string()),
-        _ => Err(not_one()),
+    let bare = |uri: &Uri| uri.path_and_query().is_none_or(|p| p.as_str().is_empty() || p.as_str() == "/");
+    match web(trimmed) {
+        Some(uri) if bare(&uri) => Ok(trimmed.to_string()),
+        _ => Err(format!("--cors-origin {given:?} is not an origin like http://host:port, nor *")),
     }
 }
 
 /// Whether `origin` is a page served from this machine.
 fn is_local(origin: &str) -> bool {
-    let Ok(uri) = origin.parse::<Uri>() else { return false };
-    if !matches!(uri.scheme_str(), Some("http" | "https")) {
-        return false;
-    }
-    match uri.host() {
-        Some(host) if host.eq_ignore_ascii_case("localhost") => true,
-        Some(host) => {
-            host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
-        }
-        None => false,
-    }
+    let Some(uri) = web(origin) else { return false };
+    let host = uri.host().unwrap_or_default();
+    host.eq_ignore_ascii_case("localhost")
+        || host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// `text` as an http or https address with a host.
+fn web(text: &str) -> Option<Uri> {
+    let uri: Uri = text.parse().ok()?;
+    (matches!(uri.scheme_str(), Some("http" | "https")) && uri.host().is_some()).then_some(uri)
 }
 
 #[cfg(test)]
