@@ -56,6 +56,19 @@ fn usage_errors_exit_1() {
     assert_eq!(sift(&["frobnicate"]).status.code(), Some(1));
     assert_eq!(sift(&["run", "--temp", "warm"]).status.code(), Some(1));
     assert_fails(&sift(&["serve", "--cors-origin", "example.com"]), 1, "not an origin");
+    assert_eq!(sift(&["run", "-t", "0", "-p", "hi"]).status.code(), Some(1));
+    assert_eq!(sift(&["run", "-l", "15043", "-p", "hi"]).status.code(), Some(1));
+}
+
+#[test]
+fn sampling_settings_out_of_range_exit_1_with_their_name() {
+    let Some(model) = tiny_llama() else { return };
+    let model = model.to_str().unwrap();
+    let run = |flags: &[&str]| sift(&[&["run", "-m", model, "-p", "hi", "-n", "1"], flags].concat());
+    assert_fails(&run(&["--top-p", "2"]), 1, "top_p must be in (0, 1]");
+    assert_fails(&run(&["--frequency-penalty", "-3"]), 1, "frequency_penalty");
+    assert_fails(&run(&["-l", "99999999+1"]), 1, "token 99999999 is not in the vocabulary");
+    assert_eq!(run(&["-l", "1-inf", "--presence-penalty", "-0.5"]).status.code(), Some(0));
 }
 
 #[test]

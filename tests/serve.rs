@@ -217,6 +217,42 @@ fn past_the_queue_requests_get_503_with_retry_after() {
     assert_eq!(error["error"]["code"], "queue_full");
 }
 
+/// A request's logit bias and penalties reach the sampler: a greedy completion that bans the
+/// token dense greedy decoding starts with, and penalises repeats, equals `sift run` with the
+/// same flags, and differs from the plain greedy one.
+#[test]
+fn logit_bias_and_penalties_shape_the_reply_as_sift_runs_flags_do() {
+    let model = common::default_model();
+    let prompt = "The capital of France is";
+    let run = |flags: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_sift"))
+            .args(["run", "--quiet", "--temp", "0", "--json", "-n", "16", "-p", prompt, "-m"])
+            .arg(&model)
+            .args(flags)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let json: Value = serde_json::from_slice(&o.stdout).unwrap();
+        json["text"].as_str().unwrap().to_string()
+    };
+    // " the", the first token of the plain greedy reply.
+    let the = 506;
+    let plain = run(&[]);
+    assert!(plain.starts_with(" the"), "{plain:?}");
+    let banned = format!("{the}-100");
+    let shaped = run(&["-l", &banned, "--frequency-penalty", "1.5", "--presence-penalty", "0.5"]);
+    assert!(!shaped.starts_with(" the") && shaped != plain, "{shaped:?}");
+
+    let server = Server::start(&[]);
+    let request = json!({
+        "prompt": prompt, "max_tokens": 16, "temperature": 0,
+        "logit_bias": { the.to_string(): -100 }, "frequency_penalty": 1.5, "presence_penalty": 0.5,
+    });
+    let (status, reply) = server.post("/v1/completions", &request);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["text"], shaped.as_str());
+}
+
 /// `{"error": {"message", "type", ...}}` with the status expected.
 fn assert_error(got: (u16, String, Option<String>), status: u16, needle: &str) {
     assert_eq!(got.0, status, "{}", got.1);
@@ -249,6 +285,12 @@ fn bad_requests_get_openais_errors_with_the_right_status() {
         "temperature",
     );
     assert_error(chat(r#"{"messages": [{"role": "tool", "content": "Hi"}]}"#, &key), 400, "role");
+    let hi = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "Hi"}}], {extra}}}"#);
+    assert_error(chat(&hi(r#""n": 2"#), &key), 400, "n: only one choice");
+    assert_error(chat(&hi(r#""presence_penalty": 2.5"#), &key), 400, "presence_penalty");
+    assert_error(chat(&hi(r#""logit_bias": {"abc": 1}"#), &key), 400, "\"abc\" is not a token id");
+    assert_error(chat(&hi(r#""logit_bias": {"999999999": 1}"#), &key), 400, "not in the vocabulary");
+    assert_error(chat(&hi(r#""logit_bias": {"5": 300}"#), &key), 400, "between -100 and 100");
     assert_error(chat(r#"{"messages": []}"#, &key), 400, "at least one message");
     let long = format!(r#"{{"messages": [{{"role": "user", "content": "{}"}}]}}"#, "word ".repeat(200));
     assert_error(chat(&long, &key), 400, "but the context holds 64");

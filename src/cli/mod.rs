@@ -33,7 +33,7 @@ use sift::gpu::{GpuError, KernelError};
 use sift::kv::{KvMode, Storage};
 use sift::model::{Model, ModelError};
 use sift::perplexity::PerplexityError;
-use sift::sample::SamplingParams;
+use sift::sample::{clock_seed, SamplingParams};
 use sift::tokenizer::TokenizerError;
 
 use attn::AttentionArgs;
@@ -96,7 +96,7 @@ pub struct ModelArgs {
     #[arg(short, long, env = "SIFT_MODEL")]
     model: Option<PathBuf>,
     /// Worker threads [default: physical cores]
-    #[arg(short, long, env = "SIFT_THREADS")]
+    #[arg(short, long, env = "SIFT_THREADS", value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=4096))]
     threads: Option<usize>,
     /// Kernel set: auto picks the best this CPU supports
     #[arg(long, env = "SIFT_ISA", default_value = "auto", value_parser = ["auto", "scalar", "avx2", "avxvnni", "avx512"])]
@@ -332,9 +332,24 @@ pub struct GenerationArgs {
     /// Drop tokens less likely than this fraction of the most likely one
     #[arg(long, default_value_t = 0.05)]
     pub min_p: f32,
-    /// Penalise tokens seen in the last 64 (1.0: off)
+    /// Divide the logits of tokens seen in the last --repeat-last-n by this (1.0: off)
     #[arg(long, default_value_t = 1.0)]
     pub repeat_penalty: f32,
+    /// Subtract this from the logits of tokens seen in the last --repeat-last-n, once each
+    /// (-2 to 2; 0: off)
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// Subtract this from a token's logit for each time it was seen in the last --repeat-last-n
+    /// (-2 to 2; 0: off)
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
+    /// How many recent tokens (prompt and reply) the penalties look at
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Add BIAS to token ID's logit, e.g. `-l 15043+1`, `-l 15043-inf` to ban it; repeatable (ids
+    /// from `sift tokenize`)
+    #[arg(short = 'l', long, value_name = "ID(+|-)BIAS", value_parser = parse_logit_bias)]
+    pub logit_bias: Vec<(u32, f32)>,
     /// Random seed [default: from the clock]
     #[arg(long)]
     pub seed: Option<u64>,
@@ -371,19 +386,28 @@ impl AuditArgs {
 
 impl GenerationArgs {
     pub fn sampling(&self) -> SamplingParams {
-        let seed = self.seed.unwrap_or_else(|| {
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-        });
+        let seed = self.seed.unwrap_or_else(clock_seed);
         SamplingParams {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repeat_last_n: self.repeat_last_n,
+            logit_bias: self.logit_bias.clone(),
             seed,
-            ..SamplingParams::default()
         }
     }
+}
+
+/// `ID+BIAS` or `ID-BIAS`, as llama.cpp writes a logit bias.
+fn parse_logit_bias(text: &str) -> Result<(u32, f32), String> {
+    let at = text.find(['+', '-']).ok_or("expected ID+BIAS or ID-BIAS, e.g. 15043+1")?;
+    let id = text[..at].parse().map_err(|_| format!("{:?} is not a token id", &text[..at]))?;
+    let bias: f32 = text[at..].parse().map_err(|_| format!("{:?} is not a number", &text[at..]))?;
+    Ok((id, bias))
 }
 
 /// Says on stderr which template is in use when it is not the model's own.

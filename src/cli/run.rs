@@ -78,6 +78,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
+    sampling.check(model.hp.n_vocab).map_err(super::Usage)?;
     sift::matmul::set_f32_activations(args.f32_activations);
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = if args.chat || args.system.is_some() || args.chat_template.is_some() {

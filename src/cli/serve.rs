@@ -60,6 +60,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
+    sampling.check(model.hp.n_vocab).map_err(super::Usage)?;
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
     let storage = args.generation.cache.storage();

@@ -11,7 +11,7 @@ use crate::attn::Certificate;
 use crate::audit::{AuditRecord, TOP};
 use crate::chat::Message;
 use crate::generate::StopReason;
-use crate::sample::SamplingParams;
+use crate::sample::{clock_seed, SamplingParams};
 use crate::tokenizer::Tokenizer;
 
 use super::error::ApiError;
@@ -53,6 +53,14 @@ pub struct Options {
     pub max_completion_tokens: Option<usize>,
     pub stop: Option<Stop>,
     pub seed: Option<u64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// llama.cpp's server's name, as its clients send it.
+    pub repeat_penalty: Option<f32>,
+    /// Token ids (as strings: JSON's keys) to the bias added to their logits.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f32>>,
+    /// How many choices to return: sift returns one.
+    pub n: Option<usize>,
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
@@ -154,23 +162,31 @@ pub struct Params {
 
 impl Options {
     /// The request's settings over the server's `defaults`; a fresh seed where none is given.
-    pub fn params(&self, defaults: &Params, top_logprobs: Option<usize>) -> Result<Params, ApiError> {
+    pub fn params(&self, defaults: &Params, top_logprobs: Option<usize>, n_vocab: usize) -> Result<Params, ApiError> {
+        check(self.n.is_none_or(|n| n == 1), "n: only one choice per request is served")?;
+        // OpenAI's range; the sampler takes hotter ones.
+        check(self.temperature.is_none_or(|t| t <= 2.0), "temperature must be between 0 and 2")?;
         let mut sampling = defaults.sampling.clone();
-        if let Some(t) = self.temperature {
-            check(t.is_finite() && (0.0..=2.0).contains(&t), "temperature must be between 0 and 2")?;
-            sampling.temperature = t;
-        }
-        if let Some(p) = self.top_p {
-            check(p.is_finite() && p > 0.0 && p <= 1.0, "top_p must be in (0, 1]")?;
-            sampling.top_p = p;
-        }
-        if let Some(p) = self.min_p {
-            check(p.is_finite() && (0.0..=1.0).contains(&p), "min_p must be between 0 and 1")?;
-            sampling.min_p = p;
-        }
+        let set = |value: Option<f32>, field: &mut f32| *field = value.unwrap_or(*field);
+        set(self.temperature, &mut sampling.temperature);
+        set(self.top_p, &mut sampling.top_p);
+        set(self.min_p, &mut sampling.min_p);
+        set(self.repeat_penalty, &mut sampling.repeat_penalty);
+        set(self.presence_penalty, &mut sampling.presence_penalty);
+        set(self.frequency_penalty, &mut sampling.frequency_penalty);
         if let Some(k) = self.top_k {
             sampling.top_k = k;
         }
+        if let Some(biases) = &self.logit_bias {
+            sampling.logit_bias = biases
+                .iter()
+                .map(|(id, &bias)| match id.parse() {
+                    Ok(id) => Ok((id, bias)),
+                    Err(_) => Err(ApiError::invalid(format!("logit_bias: {id:?} is not a token id"))),
+                })
+                .collect::<Result<_, _>>()?;
+        }
+        sampling.check(n_vocab).map_err(ApiError::invalid)?;
         sampling.seed = self.seed.unwrap_or_else(clock_seed);
         if let Some(n) = top_logprobs {
             check(n <= TOP, &format!("top_logprobs must be at most {TOP}"))?;
@@ -200,11 +216,6 @@ fn check(ok: bool, message: &str) -> Result<(), ApiError> {
     } else {
         Err(ApiError::invalid(message))
     }
-}
-
-/// A seed from the clock, for requests that give none.
-pub fn clock_seed() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// OpenAI's `finish_reason`.

@@ -62,10 +62,11 @@ pub fn serve(
     config: Config,
 ) -> Result<(), ServeError> {
     let n_ctx = conversation.session().n_ctx();
+    let n_vocab = conversation.session().model().hp.n_vocab;
     let (queue, jobs) = worker::queue(config.queue);
     let http = std::thread::Builder::new()
         .name("sift-http".into())
-        .spawn(move || routes::run(listener, queue, config, n_ctx))
+        .spawn(move || routes::run(listener, queue, config, n_ctx, n_vocab))
         .map_err(ServeError::Runtime)?;
     // Until the HTTP side lets go of the queue: after shutdown, or should it fail.
     worker::Worker::new(conversation, template).run(jobs);

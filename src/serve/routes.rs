@@ -40,16 +40,24 @@ struct Server {
     queue: Queue,
     config: Config,
     n_ctx: usize,
+    /// For the token ids of `logit_bias`.
+    n_vocab: usize,
     started: u64,
     next_id: AtomicU64,
 }
 
 /// Serves HTTP on `listener` until Ctrl-C or SIGTERM.
-pub fn run(listener: std::net::TcpListener, queue: Queue, config: Config, n_ctx: usize) -> Result<(), ServeError> {
+pub fn run(
+    listener: std::net::TcpListener,
+    queue: Queue,
+    config: Config,
+    n_ctx: usize,
+    n_vocab: usize,
+) -> Result<(), ServeError> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(ServeError::Runtime)?;
     let max_body = config.max_body;
     let cors = config.origins.layer();
-    let server = Arc::new(Server { queue, config, n_ctx, started: unix_now(), next_id: AtomicU64::new(1) });
+    let server = Arc::new(Server { queue, config, n_ctx, n_vocab, started: unix_now(), next_id: AtomicU64::new(1) });
     let app = Router::new()
         .route("/", get(|| async { Html(PAGE) }))
         .route("/health", get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
@@ -150,7 +158,7 @@ async fn chat_completions(State(server): State<Arc<Server>>, body: Result<Bytes,
         }
         let messages = request.messages.iter().map(|m| m.to_message()).collect::<Result<Vec<_>, _>>()?;
         let top = request.logprobs.then(|| request.top_logprobs.unwrap_or(0));
-        let params = request.options.params(&server.config.defaults, top)?;
+        let params = request.options.params(&server.config.defaults, top, server.n_vocab)?;
         complete::<Chat>(&server, Prompt::Chat(messages), params, &request.options).await
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
@@ -160,7 +168,7 @@ async fn completions(State(server): State<Arc<Server>>, body: Result<Bytes, Byte
     let handle = async {
         let request: CompletionRequest = parse(body)?;
         let prompt = request.prompt.into_text()?;
-        let params = request.options.params(&server.config.defaults, request.logprobs)?;
+        let params = request.options.params(&server.config.defaults, request.logprobs, server.n_vocab)?;
         complete::<Text>(&server, Prompt::Text(prompt), params, &request.options).await
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
