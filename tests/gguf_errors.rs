@@ -174,7 +174,12 @@ fn unknown_tensor_type() {
     open_err(&unknown);
     // IQ2_XXS is a real GGUF type that sift does not compute with.
     let iq = RawGguf::header(b"GGUF", 3, 1, 0).tensor("w", &[256], 16, 0).data(66).write(&dir, "iq.gguf");
-    assert!(matches!(open_err(&iq), GgufError::UnsupportedType { .. }));
+    let e = open_err(&iq);
+    assert!(matches!(e, GgufError::UnsupportedType { .. }));
+    assert!(e.to_string().contains("(it reads F32, F16, BF16, Q4_0"), "{e}");
+    // Q3_K (type 11) is read.
+    let q3 = RawGguf::header(b"GGUF", 3, 1, 0).tensor("w", &[256], 11, 0).data(110).write(&dir, "q3.gguf");
+    GgufFile::open(&q3).unwrap();
 }
 
 #[test]

@@ -68,6 +68,8 @@ fn dot_rows(c: &mut Criterion) {
         ("Q5_1", WeightType::Q5_1, COLS),
         ("Q8_0", WeightType::Q8_0, COLS),
         ("Q8_0 head", WeightType::Q8_0, 640),
+        ("Q2_K", WeightType::Q2_K, COLS),
+        ("Q3_K", WeightType::Q3_K, COLS),
         ("Q4_K", WeightType::Q4_K, COLS),
         ("Q5_K", WeightType::Q5_K, COLS),
         ("Q6_K", WeightType::Q6_K, COLS),

@@ -354,6 +354,8 @@ const SCALAR: Kernels = Kernels {
         scalar_entry!(q5_0),
         scalar_entry!(q5_1),
         scalar_entry!(q8_0),
+        scalar_entry!(q2_k),
+        scalar_entry!(q3_k),
         scalar_entry!(q4_k),
         scalar_entry!(q5_k),
         scalar_entry!(q6_k),

@@ -86,6 +86,10 @@ pub enum WeightType {
     Q5_1,
     /// 32-element blocks: f16 scale, 8-bit signed quants.
     Q8_0,
+    /// 256-element super-blocks of 16×16: 4-bit scales and mins, 2-bit quants.
+    Q2_K,
+    /// 256-element super-blocks of 16×16: 6-bit scales, 3-bit quants.
+    Q3_K,
     /// 256-element super-blocks of 8×32: 6-bit scales and mins, 4-bit quants.
     Q4_K,
     /// 256-element super-blocks of 8×32: 6-bit scales and mins, 5-bit quants.
@@ -96,7 +100,7 @@ pub enum WeightType {
 
 impl WeightType {
     /// Every weight type, in a fixed order (the dispatch table's index order).
-    pub const ALL: [WeightType; 11] = [
+    pub const ALL: [WeightType; 13] = [
         WeightType::F32,
         WeightType::F16,
         WeightType::BF16,
@@ -105,6 +109,8 @@ impl WeightType {
         WeightType::Q5_0,
         WeightType::Q5_1,
         WeightType::Q8_0,
+        WeightType::Q2_K,
+        WeightType::Q3_K,
         WeightType::Q4_K,
         WeightType::Q5_K,
         WeightType::Q6_K,
@@ -125,6 +131,8 @@ impl WeightType {
             WeightType::Q5_0 => 6,
             WeightType::Q5_1 => 7,
             WeightType::Q8_0 => 8,
+            WeightType::Q2_K => 10,
+            WeightType::Q3_K => 11,
             WeightType::Q4_K => 12,
             WeightType::Q5_K => 13,
             WeightType::Q6_K => 14,
@@ -143,6 +151,8 @@ impl WeightType {
             WeightType::Q5_0 => "Q5_0",
             WeightType::Q5_1 => "Q5_1",
             WeightType::Q8_0 => "Q8_0",
+            WeightType::Q2_K => "Q2_K",
+            WeightType::Q3_K => "Q3_K",
             WeightType::Q4_K => "Q4_K",
             WeightType::Q5_K => "Q5_K",
             WeightType::Q6_K => "Q6_K",
@@ -154,7 +164,7 @@ impl WeightType {
         match self {
             WeightType::F32 | WeightType::F16 | WeightType::BF16 => 1,
             WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q5_0 | WeightType::Q5_1 | WeightType::Q8_0 => 32,
-            WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => 256,
+            WeightType::Q2_K | WeightType::Q3_K | WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => 256,
         }
     }
 
@@ -170,6 +180,8 @@ impl WeightType {
             WeightType::Q5_0 => size_of::<BlockQ5_0>(),
             WeightType::Q5_1 => size_of::<BlockQ5_1>(),
             WeightType::Q8_0 => size_of::<BlockQ8_0>(),
+            WeightType::Q2_K => size_of::<BlockQ2K>(),
+            WeightType::Q3_K => size_of::<BlockQ3K>(),
             WeightType::Q4_K => size_of::<BlockQ4K>(),
             WeightType::Q5_K => size_of::<BlockQ5K>(),
             WeightType::Q6_K => size_of::<BlockQ6K>(),
@@ -192,7 +204,9 @@ impl WeightType {
             WeightType::F32 | WeightType::F16 | WeightType::BF16 => ActivationType::F32,
             WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 => ActivationType::Q8_0,
             WeightType::Q4_1 | WeightType::Q5_1 => ActivationType::Q8_1,
-            WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => ActivationType::Q8_K,
+            WeightType::Q2_K | WeightType::Q3_K | WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => {
+                ActivationType::Q8_K
+            }
         }
     }
 

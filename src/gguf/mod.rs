@@ -31,7 +31,7 @@ pub enum GgufError {
     BadMagic { path: PathBuf },
     #[error("{path}: malformed GGUF: {reason}")]
     Malformed { path: PathBuf, reason: String },
-    #[error("{path}: tensor '{tensor}' has type {ty}, which sift does not support")]
+    #[error("{path}: tensor '{tensor}' has type {ty}, which sift does not support (it reads {})", supported_types())]
     UnsupportedType { path: PathBuf, tensor: String, ty: String },
     #[error("{path}: tensor '{tensor}': {reason}")]
     BadTensor { path: PathBuf, tensor: String, reason: String },
@@ -41,6 +41,11 @@ pub enum GgufError {
     WrongKeyType { path: PathBuf, key: String, expected: &'static str },
     #[error("{path}: missing tensor '{tensor}'")]
     MissingTensor { path: PathBuf, tensor: String },
+}
+
+/// The weight types sift reads, by GGML's names: "F32, F16, ..., Q6_K".
+fn supported_types() -> String {
+    WeightType::ALL.map(WeightType::name).join(", ")
 }
 
 pub type Result<T, E = GgufError> = std::result::Result<T, E>;

@@ -23,6 +23,8 @@ use bytemuck::Pod;
 pub mod bfloat16;
 pub mod float16;
 pub mod float32;
+pub mod q2_k;
+pub mod q3_k;
 pub mod q4_0;
 pub mod q4_1;
 pub mod q4_k;
@@ -34,6 +36,8 @@ pub mod q8_0;
 pub mod q8_1;
 pub mod q8_k;
 
+pub use q2_k::BlockQ2K;
+pub use q3_k::BlockQ3K;
 pub use q4_0::BlockQ4_0;
 pub use q4_1::BlockQ4_1;
 pub use q4_k::BlockQ4K;

@@ -71,6 +71,8 @@ pub fn f16_fields(w: WeightType) -> &'static [usize] {
     match w {
         WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 => &[0],
         WeightType::Q4_1 | WeightType::Q5_1 | WeightType::Q4_K | WeightType::Q5_K => &[0, 2],
+        WeightType::Q2_K => &[80, 82],
+        WeightType::Q3_K => &[108],
         WeightType::Q6_K => &[208],
         WeightType::F32 | WeightType::F16 | WeightType::BF16 => &[],
     }

@@ -28,6 +28,8 @@ N = 1536  # elements per file: 48 blocks of 32, 6 super-blocks of 256
 
 WEIGHTS = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+# Formats added later, drawn after all the others so that the earlier files stay as they were.
+LATER_WEIGHTS = ["Q2_K", "Q3_K"]
 
 # Byte offsets of the f16 scale fields inside each block (the rest is random bits).
 F16_FIELDS = {
@@ -39,6 +41,8 @@ F16_FIELDS = {
     "Q4_K": [0, 2],
     "Q5_K": [0, 2],
     "Q6_K": [208],
+    "Q2_K": [80, 82],
+    "Q3_K": [108],
 }
 
 
@@ -100,17 +104,23 @@ def dequant(name: str, raw: np.ndarray) -> np.ndarray:
     return out
 
 
+def write_random_blocks(name: str) -> None:
+    raw = random_blocks(name)
+    (OUT / f"{name}.blocks").write_bytes(raw.tobytes())
+    (OUT / f"{name}.dequant").write_bytes(dequant(name, raw).astype("<f4").tobytes())
+
+
 def main() -> None:
     for name in WEIGHTS:
-        raw = random_blocks(name)
-        (OUT / f"{name}.blocks").write_bytes(raw.tobytes())
-        (OUT / f"{name}.dequant").write_bytes(dequant(name, raw).astype("<f4").tobytes())
+        write_random_blocks(name)
     for name in QUANTIZABLE:
         x = quant_input()
         q = quantize(x.reshape(1, -1), T[name]).reshape(-1)
         (OUT / f"{name}.quant.input").write_bytes(x.astype("<f4").tobytes())
         (OUT / f"{name}.quant.blocks").write_bytes(q.tobytes())
         (OUT / f"{name}.quant.dequant").write_bytes(dequant(name, q).astype("<f4").tobytes())
+    for name in LATER_WEIGHTS:
+        write_random_blocks(name)
 
 
 if __name__ == "__main__":
