@@ -47,6 +47,54 @@ pub fn chat_prompt(
     Ok(chat::encode(tokenizer, &template.render(messages, add_generation_prompt)?)?)
 }
 
+/// The prompt of a conversation that may have outgrown the context: its ids, and how many of
+/// the turns after its system message (if any) the prompt leaves out.
+///
+/// The turns already left out, `forgotten`, stay out. When the prompt would leave fewer than
+/// `room` tokens of `n_ctx` for the reply, the oldest turns go too, up to a user message, until
+/// the prompt takes at most half the context (the next turns then find the cache they need,
+/// rather than each dropping one turn and prefilling everything again), or until only the last
+/// user message is left; a prompt that does not fit even so is the engine's `PromptTooLong`.
+pub fn fitted_prompt(
+    tokenizer: &Tokenizer,
+    template: &ChatTemplate,
+    messages: &[Message],
+    forgotten: usize,
+    n_ctx: usize,
+    room: usize,
+) -> Result<(Vec<u32>, usize), ConversationError> {
+    let turns = &messages[system_messages(messages)..];
+    let render = |skip: usize| chat_prompt(tokenizer, template, &kept_messages(messages, skip), true);
+    let ids = render(forgotten)?;
+    if ids.len() + room <= n_ctx {
+        return Ok((ids, forgotten));
+    }
+    let mut fitted = None;
+    for skip in (forgotten + 1..turns.len()).filter(|&k| turns[k].role == "user") {
+        let ids = render(skip)?;
+        let (fits, half) = (ids.len() + room <= n_ctx, ids.len() <= n_ctx / 2);
+        if fits {
+            fitted = Some((ids, skip));
+        }
+        if fits && half {
+            break;
+        }
+    }
+    fitted.ok_or_else(|| EngineError::PromptTooLong { prompt: ids.len(), n_ctx }.into())
+}
+
+/// 1 if the conversation starts with a system message, else 0.
+fn system_messages(messages: &[Message]) -> usize {
+    usize::from(messages.first().is_some_and(|m| m.role == "system"))
+}
+
+/// The conversation as its prompt has it: the system message (if any), then the turns after
+/// the first `forgotten`.
+pub fn kept_messages(messages: &[Message], forgotten: usize) -> Vec<Message> {
+    let (head, turns) = messages.split_at(system_messages(messages));
+    [head, &turns[forgotten.min(turns.len())..]].concat()
+}
+
 /// What the conversation has cost so far.
 #[derive(Debug, Clone, Default)]
 pub struct Stats {

@@ -311,12 +311,45 @@ fn bad_input_gives_one_line_and_the_documented_exit_code() {
 }
 
 #[test]
-fn a_full_context_ends_a_piped_chat_with_exit_3() {
-    let o = chat(&["--quiet", "-c", "30"], b"Hello there\nAnd again\nOnce more\n");
+fn a_full_context_ends_a_piped_chat_with_exit_3_under_no_forget() {
+    let o = chat(&["--quiet", "--no-forget", "-c", "30"], b"Hello there\nAnd again\nOnce more\n");
     let err = text(&o.stderr);
     assert_eq!(o.status.code(), Some(3), "{err}");
     assert_eq!(err.trim_end().lines().last(), Some("sift: the context of 30 tokens is full"), "{err}");
     assert!(!o.stdout.is_empty(), "the first reply still came");
+}
+
+/// Past the context the oldest turns leave the prompt, in one step down to half the context:
+/// the reply is then the one a fresh chat gives with only the kept turns loaded, `/prompt`
+/// shows what the model reads, and `/save` still writes every message.
+#[test]
+fn a_conversation_that_outgrows_the_context_leaves_its_oldest_turns_out() {
+    let dir = std::env::temp_dir().join(format!("sift-chat-forget-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (saved, kept) = (dir.join("saved.json"), dir.join("kept.json"));
+    let questions = [
+        "Tell me about the history of Rome in detail please.",
+        "And what about Greece and its many city states?",
+        "And Egypt with its pharaohs and pyramids?",
+        "And Persia?",
+    ];
+    let input = format!("{}\n/stats\n/prompt\n/save {}\n", questions.join("\n"), saved.display());
+    let o = chat(&["-c", "96"], input.as_bytes());
+    let (out, err) = (text(&o.stdout), text(&o.stderr));
+    assert_eq!(o.status.code(), Some(0), "{err}");
+    assert_eq!(err.matches("its oldest 4 messages are left out").count(), 1, "{err}");
+    assert_eq!(stats(&out)[0].re_prefills, 1, "one re-prefill when the turns left, none after: {out}");
+    assert!(out.contains("<bos><start_of_turn>user\nAnd Egypt"), "{out}");
+    assert!(!out.contains("<start_of_turn>user\nAnd what about Greece"), "{out}");
+    let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();
+    let saved: Vec<Message> = serde_json::from_value(saved["messages"].clone()).unwrap();
+    assert_eq!(saved.len(), 8);
+
+    std::fs::write(&kept, serde_json::json!({ "messages": saved[4..6] }).to_string()).unwrap();
+    let fresh = chat(&["--quiet", "-c", "96"], format!("/load {}\n{}\n", kept.display(), questions[3]).as_bytes());
+    assert_eq!(fresh.status.code(), Some(0), "{}", text(&fresh.stderr));
+    assert_eq!(text(&fresh.stdout).trim_end(), saved[7].content.trim_end());
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]

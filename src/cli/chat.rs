@@ -20,7 +20,7 @@ use clap::Args;
 use rustyline::error::ReadlineError;
 use sift::audit::{audit_token, AuditError, AuditHeader, AuditLog, AuditSummary, ReplySummary};
 use sift::chat::{ChatTemplate, Message};
-use sift::conversation::{chat_prompt, Conversation, ConversationError, Stats};
+use sift::conversation::{chat_prompt, fitted_prompt, kept_messages, Conversation, ConversationError, Stats};
 use sift::engine::EngineError;
 use sift::generate::{Generated, Limits, Sampled, StopReason};
 use sift::model::Model;
@@ -45,6 +45,10 @@ pub struct ChatArgs {
     /// No information lines on stderr (warnings and errors still come)
     #[arg(short, long)]
     quiet: bool,
+    /// When the conversation outgrows the context, stop with exit 3 instead of leaving its
+    /// oldest turns out of the prompt
+    #[arg(long)]
+    no_forget: bool,
     #[command(flatten)]
     generation: GenerationArgs,
     #[command(flatten)]
@@ -58,7 +62,8 @@ const HELP: &str = "\
 /save FILE     write the conversation as JSON
 /load FILE     read a conversation saved with /save and prefill it
 /stats         prompt tokens prefilled (in all and per turn), cache fill, speeds, rectifications
-/prompt        the conversation as the chat template renders it
+/prompt        the conversation as the chat template renders it for the model (without the
+               turns left out once it outgrew the context)
 /exit          leave (Ctrl-D too)
 ";
 
@@ -106,6 +111,8 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         template,
         messages: Vec::new(),
         max_tokens: args.n_predict,
+        forget: !args.no_forget,
+        forgotten: 0,
         quiet: args.quiet,
         audit,
         turns: 0,
@@ -136,6 +143,10 @@ struct Chat<'a> {
     template: ChatTemplate,
     messages: Vec<Message>,
     max_tokens: usize,
+    /// Whether the oldest turns leave the prompt when the context is full.
+    forget: bool,
+    /// Turns after the system message that the prompt leaves out.
+    forgotten: usize,
     quiet: bool,
     audit: Option<AuditLog>,
     /// Replies generated, and their tokens, for the audit.
@@ -159,8 +170,8 @@ impl Chat<'_> {
         on_token: impl FnMut(&Sampled) -> ControlFlow<()>,
     ) -> anyhow::Result<Generated> {
         self.messages.push(Message::user(text));
-        let generated = chat_prompt(self.conversation.tokenizer(), &self.template, &self.messages, true)
-            .and_then(|ids| Ok(self.conversation.generate(&ids, limits, on_text, on_token)?));
+        let generated =
+            self.prompt().and_then(|ids| Ok(self.conversation.generate(&ids, limits, on_text, on_token)?));
         match generated {
             Ok(generated) => {
                 self.messages.push(Message::assistant(&generated.text));
@@ -171,6 +182,27 @@ impl Chat<'_> {
                 Err(e.into())
             }
         }
+    }
+
+    /// The prompt of the conversation so far, its oldest turns left out if it has outgrown the
+    /// context (and `forget` allows it), with room for a reply of `max_tokens` (or a quarter of
+    /// the context, if less).
+    fn prompt(&mut self) -> Result<Vec<u32>, ConversationError> {
+        let tokenizer = self.conversation.tokenizer();
+        if !self.forget {
+            return chat_prompt(tokenizer, &self.template, &self.messages, true);
+        }
+        let n_ctx = self.conversation.session().n_ctx();
+        let room = self.max_tokens.min(n_ctx / 4);
+        let (ids, forgotten) = fitted_prompt(tokenizer, &self.template, &self.messages, self.forgotten, n_ctx, room)?;
+        if forgotten > self.forgotten {
+            self.info(&format!(
+                "the conversation outgrew the context of {n_ctx} tokens: its oldest {forgotten} messages are left out \
+                 of the prompt from now on (/save still writes them)"
+            ));
+            self.forgotten = forgotten;
+        }
+        Ok(ids)
     }
 
     /// Replaces the system prompt, or removes it. The cache notices at the next turn.
@@ -186,14 +218,27 @@ impl Chat<'_> {
     /// Forgets everything but the system prompt.
     fn reset(&mut self) {
         self.messages.retain(|m| m.role == "system");
+        self.forgotten = 0;
         self.conversation.reset();
     }
 
     /// Replaces the conversation with `messages` and prefills it.
+    /// Replaces the conversation with `messages` and prefills it; one longer than the context
+    /// is left for the next message to fit, when `forget` allows it.
     fn load(&mut self, messages: Vec<Message>) -> anyhow::Result<()> {
         let ids = chat_prompt(self.conversation.tokenizer(), &self.template, &messages, false)?;
-        self.conversation.prefill(&ids)?;
+        let n_ctx = self.conversation.session().n_ctx();
+        if self.forget && ids.len() > n_ctx {
+            self.info(&format!(
+                "the conversation's {} tokens outgrow the context of {n_ctx}: the next message leaves out its oldest turns",
+                ids.len()
+            ));
+            self.conversation.reset();
+        } else {
+            self.conversation.prefill(&ids)?;
+        }
         self.messages = messages;
+        self.forgotten = 0;
         Ok(())
     }
 
@@ -322,7 +367,7 @@ impl Chat<'_> {
             }
             "stats" => print!("{}", self.stats()),
             "prompt" => {
-                let text = self.template.render(&self.messages, false)?;
+                let text = self.template.render(&kept_messages(&self.messages, self.forgotten), false)?;
                 print!("{text}");
                 if !text.ends_with('\n') {
                     println!();
@@ -382,7 +427,14 @@ impl Chat<'_> {
             StopReason::Interrupted => eprintln!("sift: reply interrupted"),
             StopReason::ContextFull => {
                 let n_ctx = self.conversation.session().n_ctx();
-                eprintln!("sift: the context of {n_ctx} tokens is full; /reset starts over (a larger -c holds more)");
+                match self.forget {
+                    true => eprintln!(
+                        "sift: the context of {n_ctx} tokens is full; the next message leaves out the oldest turns"
+                    ),
+                    false => eprintln!(
+                        "sift: the context of {n_ctx} tokens is full; /reset starts over (a larger -c holds more)"
+                    ),
+                }
             }
             _ => {}
         }
