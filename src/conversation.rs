@@ -14,6 +14,7 @@
 //! next request starts from a clean cache.
 
 use std::ops::ControlFlow;
+use std::path::Path;
 
 use crate::attn::AttentionPolicy;
 use crate::chat::{self, ChatError, ChatTemplate, Message};
@@ -21,6 +22,7 @@ use crate::engine::{EngineError, Session, DEFAULT_BATCH};
 use crate::generate::{generate, Generated, Limits, Sampled};
 use crate::kv::Storage;
 use crate::model::Model;
+use crate::prompt_cache::{self, PromptCacheError};
 use crate::rectify::Rectify;
 use crate::sample::{Sampler, SamplingParams};
 use crate::tokenizer::{Tokenizer, TokenizerError};
@@ -240,25 +242,46 @@ impl<'m> Conversation<'m> {
         Ok(self.stats.last_reply.insert(generated).clone())
     }
 
-    /// Starts over with `ids` in the cache, prefilled without generating anything.
+    /// Makes the cache hold `ids`, prefilling without generating anything: only what it lacks
+    /// of them if it holds their beginning, else all of them, from the start.
     pub fn prefill(&mut self, ids: &[u32]) -> Result<(), EngineError> {
         let n_ctx = self.session.n_ctx();
         if ids.len() > n_ctx {
             return Err(EngineError::PromptTooLong { prompt: ids.len(), n_ctx });
         }
-        self.reset();
-        if !ids.is_empty() {
-            if let Err(e) = self.session.prefill(ids) {
+        if !ids.starts_with(&self.cached) {
+            self.reset();
+        }
+        let new = &ids[self.cached.len()..];
+        if !new.is_empty() {
+            if let Err(e) = self.session.prefill(new) {
                 self.recover(ids, &e);
                 return Err(e);
             }
         }
-        for &id in ids {
+        for &id in new {
             self.sampler.accept(id);
         }
-        self.stats.prefilled.push(ids.len());
+        self.stats.prefilled.push(new.len());
         self.cached = ids.to_vec();
         Ok(())
+    }
+
+    /// Starts over from the prompt cache at `path` ([`prompt_cache`]), written for the model of
+    /// fingerprint `model`; returns how many tokens the cache then holds. After an error the
+    /// cache holds nothing.
+    pub fn load_prompt_cache(&mut self, path: &Path, model: &str) -> Result<usize, PromptCacheError> {
+        self.reset();
+        self.cached = prompt_cache::load(&mut self.session, model, path)?;
+        let sampling = self.sampling.clone();
+        self.set_sampling(sampling);
+        Ok(self.cached.len())
+    }
+
+    /// Writes what the cache holds to the prompt cache at `path`, for the model of fingerprint
+    /// `model`.
+    pub fn save_prompt_cache(&self, path: &Path, model: &str) -> Result<(), PromptCacheError> {
+        prompt_cache::save(&self.session, model, &self.cached, path)
     }
 
     /// Forgets everything: the cache, the statistics, and the sampler's state.

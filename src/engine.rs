@@ -310,6 +310,20 @@ impl<'m> Session<'m> {
         self.cache.bytes()
     }
 
+    /// How the cache stores its tokens.
+    pub fn storage(&self) -> Storage {
+        self.storage
+    }
+
+    /// Starts over with the cache as `read` fills it (a prompt cache's), holding positions
+    /// `0..len`. After an error the session holds nothing.
+    pub fn restore<E>(&mut self, len: usize, read: impl FnOnce(&mut KvCache) -> Result<(), E>) -> Result<(), E> {
+        self.reset();
+        read(&mut self.cache)?;
+        self.n_past = len;
+        Ok(())
+    }
+
     /// Forgets everything; the cache memory is kept.
     pub fn reset(&mut self) {
         self.n_past = 0;

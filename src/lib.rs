@@ -26,6 +26,7 @@ pub mod kv;
 pub mod matmul;
 pub mod model;
 pub mod perplexity;
+pub mod prompt_cache;
 pub mod rectify;
 pub mod sample;
 pub mod serve;

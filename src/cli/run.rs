@@ -1,7 +1,7 @@
 //! `sift run`: one prompt in, its continuation out.
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::builder::NonEmptyStringValueParser;
 use clap::Args;
@@ -12,6 +12,7 @@ use sift::chat::{ChatTemplate, Message};
 use sift::conversation::{chat_prompt, Conversation};
 use sift::generate::{Limits, Sampled};
 use sift::model::Model;
+use sift::prompt_cache::PromptCacheError;
 use sift::rectify::RectifyReport;
 use sift::tokenizer::Tokenizer;
 
@@ -59,6 +60,59 @@ pub struct RunArgs {
     /// certified_attention -- --captured FILE`. Run it with dense attention
     #[arg(long, value_name = "FILE")]
     capture: Option<PathBuf>,
+    /// Keep the KV cache after the prompt in FILE, and start from it when a later run's prompt
+    /// begins with the same tokens (a long document, then each question): made when missing,
+    /// remade with what two prompts share when the prompt differs, for this model, -c,
+    /// --kv-cache and --attn's key sketch only
+    #[arg(long, value_name = "FILE")]
+    prompt_cache: Option<PathBuf>,
+}
+
+/// Starts `conversation` from the prompt cache at `path` where it holds the beginning of
+/// `prompt`, and prefills the rest of the prompt but its last token. A missing file is made
+/// with that; one that holds another prompt is made again with what the two share (a document
+/// before different questions), so that the next prompt finds it; one made for other settings
+/// is made again; one that holds a beginning of the prompt is left as it is.
+fn prompt_cache(
+    conversation: &mut Conversation,
+    prompt: &[u32],
+    path: &Path,
+    model: &str,
+    quiet: bool,
+) -> anyhow::Result<()> {
+    let info = |message: String| {
+        if !quiet {
+            eprintln!("sift: prompt cache: {message}");
+        }
+    };
+    let cached = match conversation.load_prompt_cache(path, model) {
+        Ok(_) => conversation.cached().to_vec(),
+        Err(e) if e.is_missing() => Vec::new(),
+        Err(PromptCacheError::Io { source, .. }) => {
+            return Err(anyhow::Error::new(source).context(format!("cannot read the prompt cache {}", path.display())))
+        }
+        Err(e) => {
+            eprintln!("sift: warning: {e}; it will be made again");
+            Vec::new()
+        }
+    };
+    // The last token is prefilled with the generation, for its logits.
+    let Some(last) = prompt.len().checked_sub(1).filter(|&last| last > 0) else { return Ok(()) };
+    if !cached.is_empty() && prompt[..last].starts_with(&cached) {
+        info(format!("{} of the prompt's {} tokens from {}", cached.len(), prompt.len(), path.display()));
+        return Ok(());
+    }
+    let shared = cached.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(last);
+    let kept = if shared > 0 { shared } else { last };
+    let start = std::time::Instant::now();
+    conversation.prefill(&prompt[..kept])?;
+    conversation.save_prompt_cache(path, model)?;
+    info(format!(
+        "{kept} tokens prefilled and written to {} in {:.1} s",
+        path.display(),
+        start.elapsed().as_secs_f64()
+    ));
+    Ok(())
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -102,6 +156,9 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         conversation.session_mut().set_prefill_progress(Some(super::prefill_progress(true, None)));
     }
     conversation.check_fits(&prompt_ids)?;
+    if let Some(path) = &args.prompt_cache {
+        prompt_cache(&mut conversation, &prompt_ids, path, &file.fingerprint(), args.quiet)?;
+    }
     if let Some(audit) = &mut audit {
         let kv_cache = args.generation.cache.kv_cache;
         let arch = model.hp.arch.gguf_name();

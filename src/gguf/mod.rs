@@ -175,6 +175,29 @@ impl GgufFile {
         self.map.bytes().len()
     }
 
+    /// A name for the file's content, for files made from it (prompt caches): its size and a
+    /// 64-bit FNV-1a hash of its first 16 MiB (the header and vocabulary, and the first
+    /// weights) and of 64 KiB at 16 places spread over the rest. Cheap even for a large model,
+    /// and different for any other model file in practice.
+    pub fn fingerprint(&self) -> String {
+        const HEAD: usize = 16 << 20;
+        const SAMPLE: usize = 64 << 10;
+        let bytes = self.map.bytes();
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        let mut add = |part: &[u8]| {
+            for &b in part {
+                hash = (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        add(&bytes[..bytes.len().min(HEAD)]);
+        let rest = bytes.len().saturating_sub(HEAD);
+        for i in 0..16 {
+            let at = HEAD + rest / 16 * i;
+            add(&bytes[at.min(bytes.len())..(at + SAMPLE).min(bytes.len())]);
+        }
+        format!("{}:{hash:016x}", bytes.len())
+    }
+
     pub fn tensors(&self) -> &[TensorInfo] {
         &self.tensors
     }

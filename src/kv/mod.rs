@@ -9,6 +9,8 @@
 //! the pages their window and one batch can touch, so their memory does not
 //! grow with the context.
 
+use std::io::{self, Read, Write};
+
 pub mod page;
 pub mod quant;
 pub mod sketch;
@@ -70,6 +72,19 @@ impl KvCache {
     pub fn truncate(&mut self, len: usize) -> Result<(), Settled> {
         self.layers.iter().try_for_each(|layer| layer.check_truncate(len))?;
         self.layers.iter_mut().try_for_each(|layer| layer.truncate(len))
+    }
+
+    /// Writes what the cache holds, layer by layer (counters, then buffers as bytes), for
+    /// [`Self::read_from`].
+    pub fn write_to(&self, w: &mut impl Write) -> io::Result<()> {
+        self.layers.iter().try_for_each(|layer| layer.write_to(w))
+    }
+
+    /// Reads what [`Self::write_to`] wrote, into a cache built with the same shape, storage,
+    /// context and batch, which then holds positions `0..len` in every layer. After an error
+    /// the cache holds nothing usable: truncate it to 0.
+    pub fn read_from(&mut self, r: &mut impl Read, len: usize) -> io::Result<()> {
+        self.layers.iter_mut().try_for_each(|layer| layer.read_from(r, len))
     }
 
     /// Everything the cache allocated.

@@ -38,6 +38,7 @@
 //! kept as the values are stored.
 
 use std::fmt;
+use std::io::{self, Read, Write};
 use std::ops::Range;
 use std::str::FromStr;
 
@@ -233,6 +234,68 @@ impl PagedLayer {
 
     pub fn mode(&self) -> KvMode {
         self.mode
+    }
+
+    /// Writes the layer's state: its two counters, then, as bytes, every buffer's slots that
+    /// hold pages (a short prompt in a long context writes a short file).
+    pub(crate) fn write_to(&self, w: &mut impl Write) -> io::Result<()> {
+        for counter in [self.first_exact, self.len] {
+            w.write_all(&(counter as u64).to_le_bytes())?;
+        }
+        let [exact, coded, sketched] = self.slots_in_use(self.first_exact, self.len);
+        let (n, slots) = (self.n_kv_head, self.slots());
+        let rows = [&self.exact_k, &self.exact_v].map(|v| bytemuck::cast_slice(v));
+        let rows = rows.into_iter().flat_map(|rows| in_use(rows, n, slots[0], exact));
+        let sink = [&self.sink_k, &self.sink_v].map(|v| bytemuck::cast_slice(v));
+        let norms = [(&self.exact_norms, slots[0], exact), (&self.coded_norms, slots[1], coded)];
+        let norms = norms.into_iter().flat_map(|(norms, all, used)| in_use(bytemuck::cast_slice(norms), n, all, used));
+        let sketches = in_use(&self.sketches, n, slots[2], sketched).flatten().flat_map(KeySketch::state);
+        let values = in_use(&self.values, n, slots[1], coded).flatten().flat_map(ValueRows::state);
+        rows.chain(sink).chain(norms).chain(sketches).chain(values).try_for_each(|bytes| w.write_all(bytes))
+    }
+
+    /// Reads what [`Self::write_to`] wrote into a layer built alike, which then holds positions
+    /// `0..len`: counters that say otherwise are an error, and so is a short read.
+    pub(crate) fn read_from(&mut self, r: &mut impl Read, len: usize) -> io::Result<()> {
+        let mut counter = || -> io::Result<usize> {
+            let mut bytes = [0; 8];
+            r.read_exact(&mut bytes)?;
+            Ok(u64::from_le_bytes(bytes) as usize)
+        };
+        let (first_exact, stored) = (counter()?, counter()?);
+        if stored != len || first_exact > len.div_ceil(PAGE) {
+            let message = format!("a layer holds {stored} positions from page {first_exact}, not {len}");
+            return Err(io::Error::new(io::ErrorKind::InvalidData, message));
+        }
+        let [exact, coded, sketched] = self.slots_in_use(first_exact, len);
+        let (n, slots) = (self.n_kv_head, self.slots());
+        let rows = [&mut self.exact_k, &mut self.exact_v].map(|v| bytemuck::cast_slice_mut(v));
+        let rows = rows.into_iter().flat_map(|rows| in_use_mut(rows, n, slots[0], exact));
+        let sink = [&mut self.sink_k, &mut self.sink_v].map(|v| bytemuck::cast_slice_mut(v));
+        let norms = [(&mut self.exact_norms, slots[0], exact), (&mut self.coded_norms, slots[1], coded)];
+        let norms =
+            norms.into_iter().flat_map(|(norms, all, used)| in_use_mut(bytemuck::cast_slice_mut(norms), n, all, used));
+        let sketches = in_use_mut(&mut self.sketches, n, slots[2], sketched).flatten().flat_map(KeySketch::state_mut);
+        let values = in_use_mut(&mut self.values, n, slots[1], coded).flatten().flat_map(ValueRows::state_mut);
+        rows.chain(sink).chain(norms).chain(sketches).chain(values).try_for_each(|bytes| r.read_exact(bytes))?;
+        (self.first_exact, self.len) = (first_exact, len);
+        Ok(())
+    }
+
+    /// Of each head's exact slots, coded slots and sketches, how many hold pages when pages
+    /// before `first_exact` have been coded and positions `0..len` stored: a ring that has
+    /// wrapped uses all its slots, one that has not the first ones (page `p` sits in slot
+    /// `p % slots`).
+    fn slots_in_use(&self, first_exact: usize, len: usize) -> [usize; 3] {
+        let exact = self.exact_slots.min(len.div_ceil(PAGE));
+        let coded = self.coded_slots.min(first_exact);
+        let sketches = if self.mode == KvMode::F16 { exact } else { coded };
+        [exact, coded, sketches.min(self.slots()[2])]
+    }
+
+    /// Each head's exact slots, coded slots and sketches.
+    fn slots(&self) -> [usize; 3] {
+        [self.exact_slots, self.coded_slots, self.sketches.len() / self.n_kv_head.max(1)]
     }
 
     /// Stores one token's keys and values (all KV heads, concatenated).
@@ -596,4 +659,19 @@ fn zeroed_halves(n: usize) -> Vec<f16> {
 /// The rows of one page of exact `rows` (`[head][slot][token][dim]`).
 fn page_rows(rows: &[f16], slots: usize, head: usize, slot: usize, dim: usize) -> &[f16] {
     &rows[(head * slots + slot) * PAGE * dim..][..PAGE * dim]
+}
+
+/// The first `used` of the `slots` slots of each of the `heads` parts of a `[head][slot]…`
+/// buffer.
+fn in_use<T>(buffer: &[T], heads: usize, slots: usize, used: usize) -> impl Iterator<Item = &[T]> {
+    let per_head = buffer.len() / heads.max(1);
+    let slot = per_head.checked_div(slots).unwrap_or(0);
+    buffer.chunks(per_head.max(1)).map(move |head| &head[..used * slot])
+}
+
+/// [`in_use`], to be read into.
+fn in_use_mut<T>(buffer: &mut [T], heads: usize, slots: usize, used: usize) -> impl Iterator<Item = &mut [T]> {
+    let per_head = buffer.len() / heads.max(1);
+    let slot = per_head.checked_div(slots).unwrap_or(0);
+    buffer.chunks_mut(per_head.max(1)).map(move |head| &mut head[..used * slot])
 }

@@ -67,7 +67,8 @@ impl Bits {
 }
 
 /// A group's minimum and step.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct Affine {
     pub min: f16,
     pub step: f16,
@@ -151,6 +152,16 @@ pub struct ValueRows {
 }
 
 impl ValueRows {
+    /// The rows' state as bytes, in the order of a cache file ([`crate::kv::KvCache::write_to`]).
+    pub(crate) fn state(&self) -> [&[u8]; 2] {
+        [bytemuck::cast_slice(&self.groups), &self.codes]
+    }
+
+    /// [`Self::state`], to be read into.
+    pub(crate) fn state_mut(&mut self) -> [&mut [u8]; 2] {
+        [bytemuck::cast_slice_mut(&mut self.groups), &mut self.codes]
+    }
+
     pub fn new(rows: usize, dim: usize, bits: Bits) -> Self {
         Self {
             dim,

@@ -154,6 +154,16 @@ pub struct KeySketch {
 }
 
 impl KeySketch {
+    /// The sketch's state as bytes, in the order of a cache file ([`crate::kv::KvCache::write_to`]).
+    pub(crate) fn state(&self) -> [&[u8]; 3] {
+        [bytemuck::cast_slice(&self.affine), &self.coarse, &self.fine]
+    }
+
+    /// [`Self::state`], to be read into.
+    pub(crate) fn state_mut(&mut self) -> [&mut [u8]; 3] {
+        [bytemuck::cast_slice_mut(&mut self.affine), &mut self.coarse, &mut self.fine]
+    }
+
     /// Room for one page of keys of `dim` channels.
     pub fn new(dim: usize, keys: PageKeys) -> Self {
         let fine = if keys.kept() == Bits::Eight { PAGE * packed_len(dim, Bits::Four) } else { 0 };
