@@ -9,6 +9,7 @@ mod common;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use base64::Engine;
@@ -28,7 +29,10 @@ struct Browser {
 
 impl Browser {
     fn open(program: &str, url: &str) -> Browser {
-        let profile = std::env::temp_dir().join(format!("sift-chromium-{}", std::process::id()));
+        // A profile of its own: the tests' browsers run side by side.
+        static OPENED: AtomicUsize = AtomicUsize::new(0);
+        let n = OPENED.fetch_add(1, Ordering::Relaxed);
+        let profile = std::env::temp_dir().join(format!("sift-chromium-{}-{n}", std::process::id()));
         let mut child = Command::new(program)
             .args(["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--window-size=900,640"])
             .args(["--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0"])
@@ -105,14 +109,35 @@ fn evaluate(socket: &mut Socket, id: &mut u64, expression: &str) -> Value {
     result["result"]["value"].clone()
 }
 
-#[test]
-fn the_chat_page_streams_a_reply_in_headless_chromium() {
+/// The browser to test with, or `None` (outside CI) when there is none.
+fn chromium() -> Option<String> {
     let program = std::env::var("SIFT_TEST_CHROMIUM").unwrap_or_else(|_| "chromium".into());
     if Command::new(&program).arg("--version").output().is_err() {
         assert!(std::env::var_os("CI").is_none(), "no {program}; .ci/run installs Debian's chromium");
         eprintln!("SKIPPED the browser test: {program} is not installed");
-        return;
+        return None;
     }
+    Some(program)
+}
+
+/// The chat page of `server` open in a browser, once it shows the model.
+fn open_page(program: &str, server: &Server) -> (Browser, Socket) {
+    let url = server.url("/");
+    let browser = Browser::open(program, &url);
+    let mut page = browser.page(&url);
+    let mut id = 0;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while evaluate(&mut page, &mut id, "document.getElementById('model').textContent").as_str().unwrap_or("").is_empty()
+    {
+        assert!(Instant::now() < deadline, "the page never showed the model");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    (browser, page)
+}
+
+#[test]
+fn the_chat_page_streams_a_reply_in_headless_chromium() {
+    let Some(program) = chromium() else { return };
     let model = common::default_model();
     let message = "What is the capital of France?";
     let reference = Command::new(env!("CARGO_BIN_EXE_sift"))
@@ -125,16 +150,8 @@ fn the_chat_page_streams_a_reply_in_headless_chromium() {
 
     // Greedy, so that the page's reply can be compared; the page sends no sampling settings.
     let server = Server::start(&["--temp", "0", "-n", "40"]);
-    let url = server.url("/");
-    let browser = Browser::open(&program, &url);
-    let mut page = browser.page(&url);
-    let mut id = 0;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while evaluate(&mut page, &mut id, "document.getElementById('model').textContent").as_str().unwrap_or("").is_empty()
-    {
-        assert!(Instant::now() < deadline, "the page never showed the model");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let (_browser, mut page) = open_page(&program, &server);
+    let mut id = 1000;
 
     // Type the message and press Enter, as a user would.
     evaluate(&mut page, &mut id, "document.getElementById('input').focus()");
@@ -171,4 +188,43 @@ fn the_chat_page_streams_a_reply_in_headless_chromium() {
     let png = base64::engine::general_purpose::STANDARD.decode(shot["data"].as_str().unwrap()).unwrap();
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n"));
     std::fs::write(common::repo_root().join("target/serve-chat.png"), png).unwrap();
+}
+
+/// A conversation longer than the server's context: the page leaves its oldest exchanges out of
+/// what it sends, says so, and gets the reply the API gives to the messages it kept.
+#[test]
+fn the_chat_page_leaves_out_the_oldest_exchanges_past_the_context() {
+    let Some(program) = chromium() else { return };
+    common::default_model();
+    let server = Server::start(&["--temp", "0", "-n", "8", "-c", "96"]);
+    let (_browser, mut page) = open_page(&program, &server);
+    let mut id = 1000;
+    let questions = [
+        "Tell me about the history of Rome in detail please.",
+        "And what about Greece and its many city states?",
+        "And Egypt with its pharaohs and pyramids?",
+        "And Persia?",
+    ];
+    for question in questions {
+        let ask = json!({ "expression": format!("ask({})", json!(question)), "awaitPromise": true });
+        call(&mut page, &mut id, "Runtime.evaluate", ask);
+    }
+    let state = evaluate(
+        &mut page,
+        &mut id,
+        "[forgotten, JSON.stringify(messages), document.querySelectorAll('.error').length, \
+          (document.querySelector('.note') || {}).textContent]",
+    );
+    let forgotten = state[0].as_u64().unwrap() as usize;
+    let messages: Vec<Value> = serde_json::from_str(state[1].as_str().unwrap()).unwrap();
+    assert_eq!(state[2], 0, "no error shown: {state}");
+    assert_eq!(messages.len(), 8, "every message is kept on the page: {state}");
+    assert!(forgotten >= 2, "{state}");
+    assert!(state[3].as_str().is_some_and(|note| note.contains("left out")), "{state}");
+
+    let sent = &messages[forgotten..7];
+    let request = json!({ "messages": sent, "temperature": 0, "max_tokens": 8 });
+    let (status, reply) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["choices"][0]["message"]["content"], messages[7]["content"]);
 }
