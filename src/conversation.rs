@@ -97,6 +97,34 @@ pub fn kept_messages(messages: &[Message], forgotten: usize) -> Vec<Message> {
     [head, &turns[forgotten.min(turns.len())..]].concat()
 }
 
+/// How many of `ids` a cache holding `cached` saves prefilling: all of `cached` when `ids` go on
+/// from it (one token at least is left, for the logits after it), else none.
+pub fn reusable(cached: &[u32], ids: &[u32]) -> usize {
+    if ids.len() > cached.len() && ids.starts_with(cached) {
+        cached.len()
+    } else {
+        0
+    }
+}
+
+/// A conversation's cache set aside by [`Conversation::park`].
+pub struct Parked {
+    cached: Vec<u32>,
+    pages: Vec<u8>,
+}
+
+impl Parked {
+    /// The tokens the cache held.
+    pub fn cached(&self) -> &[u32] {
+        &self.cached
+    }
+
+    /// The memory it takes.
+    pub fn bytes(&self) -> usize {
+        self.pages.len() + 4 * self.cached.len()
+    }
+}
+
 /// What the conversation has cost so far.
 #[derive(Debug, Clone, Default)]
 pub struct Stats {
@@ -195,11 +223,26 @@ impl<'m> Conversation<'m> {
     /// one token must be left to prefill, for the logits after it: a prompt that the cache holds
     /// whole is prefilled anew.
     pub fn reusable(&self, ids: &[u32]) -> usize {
-        if ids.len() > self.cached.len() && ids.starts_with(&self.cached) {
-            self.cached.len()
-        } else {
-            0
-        }
+        reusable(&self.cached, ids)
+    }
+
+    /// Sets what the cache holds aside, as the tokens and the bytes of the pages they fill, for
+    /// [`Self::resume`]; the conversation goes on holding it.
+    pub fn park(&self) -> Parked {
+        let mut pages = Vec::new();
+        self.session.cache().write_to(&mut pages).expect("writing to memory cannot fail");
+        Parked { cached: self.cached.clone(), pages }
+    }
+
+    /// Takes up what [`Self::park`] set aside, in place of what the cache holds.
+    pub fn resume(&mut self, parked: &Parked) {
+        let n = parked.cached.len();
+        self.session
+            .restore(n, |cache| cache.read_from(&mut &parked.pages[..], n))
+            .expect("a parked cache is read back into a cache built alike");
+        self.cached = parked.cached.clone();
+        let sampling = self.sampling.clone();
+        self.set_sampling(sampling);
     }
 
     /// Generates after the prompt `ids`, prefilling only what the cache does not hold of it.

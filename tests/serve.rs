@@ -114,6 +114,42 @@ fn the_next_turn_reuses_the_cache_and_replies_as_sift_chat() {
     assert!(cached > first_prompt, "the first turn stays in the cache: {cached} of {}", two["usage"]);
 }
 
+/// A request for something else between two turns (a chat app's title) parks the conversation's
+/// cache; the next turn takes it up and prefills only what is new, and replies as a server that
+/// saw only the conversation does. With `--cache-ram 0` nothing is parked.
+#[test]
+fn a_request_between_two_turns_leaves_the_conversations_cache_for_the_next() {
+    common::default_model();
+    let second = "And of Germany?";
+    let one_turn = json!([{"role": "user", "content": QUESTION}]);
+    let title = json!([{"role": "user", "content": "Write a title of three words for a chat about capitals."}]);
+    let next_turn = |reply: &str| {
+        json!([
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": second},
+        ])
+    };
+    let plain = Server::start(&[]);
+    let (_, one) = plain.post("/v1/chat/completions", &greedy(one_turn.clone(), 12));
+    let (_, want) = plain.post("/v1/chat/completions", &greedy(next_turn(content(&one)), 12));
+
+    for (flags, kept) in [(&[][..], true), (&["--cache-ram", "0"][..], false)] {
+        let server = Server::start(flags);
+        let (_, one) = server.post("/v1/chat/completions", &greedy(one_turn.clone(), 12));
+        let (status, _) = server.post("/v1/chat/completions", &greedy(title.clone(), 8));
+        assert_eq!(status, 200);
+        let (_, two) = server.post("/v1/chat/completions", &greedy(next_turn(content(&one)), 12));
+        assert_eq!(content(&two), content(&want), "{flags:?}");
+        let cached = two["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+        let first_prompt = one["usage"]["prompt_tokens"].as_u64().unwrap();
+        match kept {
+            true => assert!(cached > first_prompt, "the first turn was parked: {cached} of {}", two["usage"]),
+            false => assert_eq!(cached, 0, "{}", two["usage"]),
+        }
+    }
+}
+
 #[test]
 fn stop_strings_end_the_reply_before_them() {
     common::default_model();

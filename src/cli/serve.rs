@@ -34,6 +34,11 @@ pub struct ServeArgs {
     /// this machine's own (localhost, 127.0.0.1, [::1]); repeatable; `*` allows any
     #[arg(long = "cors-origin", value_name = "ORIGIN")]
     cors_origins: Vec<String>,
+    /// Memory for caches set aside when a request starts something else (a chat app's title
+    /// request between two turns), so that a later request going on from one prefills only its
+    /// new tokens; in MiB, 0 keeps none
+    #[arg(long, value_name = "MIB", default_value_t = 1024)]
+    cache_ram: usize,
     /// Largest request body accepted, in bytes (larger ones get 413)
     #[arg(long, default_value_t = 1 << 20)]
     max_body: usize,
@@ -90,6 +95,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         max_body: args.max_body,
         origins,
         defaults: Params { sampling, max_tokens: args.n_predict, stop: Vec::new(), top_logprobs: None },
+        cache_ram: args.cache_ram << 20,
     };
     // The first line on stdout, once connections are taken: scripts read the port from it.
     let mut stdout = std::io::stdout().lock();

@@ -41,6 +41,8 @@ pub struct Config {
     pub origins: Origins,
     /// Sampling and limits for what a request leaves out.
     pub defaults: Params,
+    /// The most memory the caches set aside for later requests may take, in bytes.
+    pub cache_ram: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -63,12 +65,13 @@ pub fn serve(
 ) -> Result<(), ServeError> {
     let n_ctx = conversation.session().n_ctx();
     let n_vocab = conversation.session().model().hp.n_vocab;
+    let cache_ram = config.cache_ram;
     let (queue, jobs) = worker::queue(config.queue);
     let http = std::thread::Builder::new()
         .name("sift-http".into())
         .spawn(move || routes::run(listener, queue, config, n_ctx, n_vocab))
         .map_err(ServeError::Runtime)?;
     // Until the HTTP side lets go of the queue: after shutdown, or should it fail.
-    worker::Worker::new(conversation, template).run(jobs);
+    worker::Worker::new(conversation, template, cache_ram).run(jobs);
     http.join().map_err(|_| ServeError::Panicked)?
 }

@@ -8,7 +8,11 @@
 //! whose client left while it waited.
 //!
 //! The worker keeps one [`Conversation`], so a request that extends the previous one (the next
-//! turn of a chat, whose messages repeat the earlier turns) prefills only its new tokens.
+//! turn of a chat, whose messages repeat the earlier turns) prefills only its new tokens. When a
+//! request starts something else (a chat app asking for a title between two turns), the cache it
+//! replaces is parked in memory, the most recent first, as long as the parked caches fit
+//! `--cache-ram`; a later request that goes on from a parked cache further than from the current
+//! one takes it up again, and the current one is parked in its place.
 
 use std::ops::ControlFlow;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
@@ -18,7 +22,9 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::attn::Certificate;
 use crate::audit::{AuditRecord, TOP};
 use crate::chat::{ChatTemplate, Message};
-use crate::conversation::{chat_prompt, Conversation, ConversationError};
+use std::collections::VecDeque;
+
+use crate::conversation::{chat_prompt, reusable, Conversation, ConversationError, Parked};
 use crate::engine::EngineError;
 use crate::generate::{Limits, Sampled, StopReason};
 
@@ -99,11 +105,37 @@ impl Queue {
 pub struct Worker<'m> {
     conversation: Conversation<'m>,
     template: ChatTemplate,
+    /// Caches set aside, the most recently used first.
+    parked: VecDeque<Parked>,
+    /// The most memory the parked caches may take, in bytes.
+    cache_ram: usize,
 }
 
 impl<'m> Worker<'m> {
-    pub fn new(conversation: Conversation<'m>, template: ChatTemplate) -> Self {
-        Self { conversation, template }
+    pub fn new(conversation: Conversation<'m>, template: ChatTemplate, cache_ram: usize) -> Self {
+        Self { conversation, template, parked: VecDeque::new(), cache_ram }
+    }
+
+    /// Makes the cache the one that saves `ids` the most prefilling: the current one, or a parked
+    /// one, taken up in its place. A current cache that `ids` do not go on from is parked.
+    fn choose_cache(&mut self, ids: &[u32]) {
+        let here = self.conversation.reusable(ids);
+        let best = self.parked.iter().enumerate().max_by_key(|(_, parked)| reusable(parked.cached(), ids));
+        let taken = match best {
+            Some((i, parked)) if reusable(parked.cached(), ids) > here => self.parked.remove(i),
+            _ => None,
+        };
+        if here == 0 && !self.conversation.cached().is_empty() {
+            self.parked.push_front(self.conversation.park());
+        }
+        if let Some(parked) = taken {
+            self.conversation.resume(&parked);
+        }
+        let mut used = 0;
+        self.parked.retain(|parked| {
+            used += parked.bytes();
+            used <= self.cache_ram
+        });
     }
 
     pub fn run(&mut self, jobs: Receiver<Job>) {
@@ -133,6 +165,7 @@ impl<'m> Worker<'m> {
             return Err(ApiError::invalid("the prompt is empty"));
         }
         let params = &job.params;
+        self.choose_cache(&ids);
         self.conversation.set_sampling(params.sampling.clone());
         let cached_tokens = self.conversation.reusable(&ids);
         let send = |event| job.events.send(event).map_err(|_| ());
