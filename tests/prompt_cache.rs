@@ -140,3 +140,25 @@ fn sift_run_with_a_prompt_cache_replies_as_without_it() {
     assert!(said[1].1.contains("prefilled and written"), "{}", said[1].1);
     assert!(said[2].1.contains("tokens from"), "{}", said[2].1);
 }
+
+/// A file that is not a prompt cache is neither used nor overwritten (exit 2); a cache that
+/// cannot be written is a warning, and the run goes on.
+#[test]
+fn sift_run_leaves_other_files_alone_and_goes_on_when_it_cannot_write() {
+    let model = common::default_model();
+    let run = |cache: &str| {
+        let args = ["run", "-m", model.to_str().unwrap(), "-p", "-", "-n", "4", "--temp", "0", "--prompt-cache", cache];
+        common::sift_with_stdin(&args, b"Once upon a time there was")
+    };
+    let notes = scratch("notes.txt");
+    std::fs::write(&notes, "my notes").unwrap();
+    let o = run(notes.to_str().unwrap());
+    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not a sift prompt cache; not using or overwriting it"));
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), "my notes");
+
+    let o = run("/nonexistent/dir/cache.kv");
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("warning: cannot write the prompt cache"));
+    assert!(!o.stdout.is_empty());
+}

@@ -16,7 +16,7 @@ use sift::prompt_cache::PromptCacheError;
 use sift::rectify::RectifyReport;
 use sift::tokenizer::Tokenizer;
 
-use super::{announce_template, context_size, read_prompt, AuditArgs, GenerationArgs, ModelArgs};
+use super::{announce_template, context_size, read_prompt, AuditArgs, GenerationArgs, InputError, ModelArgs};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -72,7 +72,8 @@ pub struct RunArgs {
 /// `prompt`, and prefills the rest of the prompt but its last token. A missing file is made
 /// with that; one that holds another prompt is made again with what the two share (a document
 /// before different questions), so that the next prompt finds it; one made for other settings
-/// is made again; one that holds a beginning of the prompt is left as it is.
+/// is made again; one that holds a beginning of the prompt is left as it is. A file that is not
+/// a prompt cache is an error, and is left alone; one that cannot be written, a warning.
 fn prompt_cache(
     conversation: &mut Conversation,
     prompt: &[u32],
@@ -88,13 +89,13 @@ fn prompt_cache(
     let cached = match conversation.load_prompt_cache(path, model) {
         Ok(_) => conversation.cached().to_vec(),
         Err(e) if e.is_missing() => Vec::new(),
-        Err(PromptCacheError::Io { source, .. }) => {
-            return Err(anyhow::Error::new(source).context(format!("cannot read the prompt cache {}", path.display())))
-        }
-        Err(e) => {
+        // Made for another model or settings: made again.
+        Err(e @ PromptCacheError::Mismatch { .. }) => {
             eprintln!("sift: warning: {e}; it will be made again");
             Vec::new()
         }
+        // Anything else is left alone: a file named by mistake is not overwritten.
+        Err(e) => return Err(InputError(format!("{e}; not using or overwriting it")).into()),
     };
     // The last token is prefilled with the generation, for its logits.
     let Some(last) = prompt.len().checked_sub(1).filter(|&last| last > 0) else { return Ok(()) };
@@ -106,12 +107,14 @@ fn prompt_cache(
     let kept = if shared > 0 { shared } else { last };
     let start = std::time::Instant::now();
     conversation.prefill(&prompt[..kept])?;
-    conversation.save_prompt_cache(path, model)?;
-    info(format!(
-        "{kept} tokens prefilled and written to {} in {:.1} s",
-        path.display(),
-        start.elapsed().as_secs_f64()
-    ));
+    match conversation.save_prompt_cache(path, model) {
+        Ok(()) => info(format!(
+            "{kept} tokens prefilled and written to {} in {:.1} s",
+            path.display(),
+            start.elapsed().as_secs_f64()
+        )),
+        Err(e) => eprintln!("sift: warning: cannot write the prompt cache: {e}; going on without it"),
+    }
     Ok(())
 }
 
