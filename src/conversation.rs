@@ -99,7 +99,7 @@ pub fn kept_messages(messages: &[Message], forgotten: usize) -> Vec<Message> {
 
 /// How many of `ids` a cache holding `cached` saves prefilling: all of `cached` when `ids` go on
 /// from it (one token at least is left, for the logits after it), else none.
-pub fn reusable(cached: &[u32], ids: &[u32]) -> usize {
+pub fn prefix_reuse(cached: &[u32], ids: &[u32]) -> usize {
     if ids.len() > cached.len() && ids.starts_with(cached) {
         cached.len()
     } else {
@@ -219,11 +219,23 @@ impl<'m> Conversation<'m> {
         }
     }
 
-    /// How many of `ids` the cache already holds, and so will not be prefilled again. At least
-    /// one token must be left to prefill, for the logits after it: a prompt that the cache holds
-    /// whole is prefilled anew.
+    /// How many of `ids` the cache will not prefill again: all it holds when `ids` go on from it;
+    /// else the tokens they share, where the cache can forget what follows them (a reply
+    /// regenerated, a last message edited). One token at least is left to prefill, for the
+    /// logits after it.
     pub fn reusable(&self, ids: &[u32]) -> usize {
-        reusable(&self.cached, ids)
+        match prefix_reuse(&self.cached, ids) {
+            0 => {
+                let shared = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
+                let shared = shared.min(ids.len().saturating_sub(1));
+                if shared > 0 && self.session.can_truncate(shared) {
+                    shared
+                } else {
+                    0
+                }
+            }
+            all => all,
+        }
     }
 
     /// Sets what the cache holds aside, as the tokens and the bytes of the pages they fill, for
@@ -257,9 +269,8 @@ impl<'m> Conversation<'m> {
     ) -> Result<Generated, EngineError> {
         self.check_fits(ids)?;
         let start = self.reusable(ids);
-        if start == 0 && !self.cached.is_empty() {
-            self.stats.re_prefills += 1;
-            self.clear_cache();
+        if start < self.cached.len() {
+            self.go_back(start, ids)?;
         }
         let generated =
             generate(&mut self.session, self.tokenizer, &mut self.sampler, &ids[start..], limits, on_text, on_token);
@@ -286,14 +297,19 @@ impl<'m> Conversation<'m> {
     }
 
     /// Makes the cache hold `ids`, prefilling without generating anything: only what it lacks
-    /// of them if it holds their beginning, else all of them, from the start.
+    /// of them if it holds their beginning (forgetting what follows it, where the cache can),
+    /// else all of them, from the start.
     pub fn prefill(&mut self, ids: &[u32]) -> Result<(), EngineError> {
         let n_ctx = self.session.n_ctx();
         if ids.len() > n_ctx {
             return Err(EngineError::PromptTooLong { prompt: ids.len(), n_ctx });
         }
-        if !ids.starts_with(&self.cached) {
-            self.reset();
+        let shared = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        if shared < self.cached.len() {
+            match shared > 0 && self.session.can_truncate(shared) {
+                true => self.go_back(shared, ids)?,
+                false => self.reset(),
+            }
         }
         let new = &ids[self.cached.len()..];
         if !new.is_empty() {
@@ -347,6 +363,24 @@ impl<'m> Conversation<'m> {
             }
             _ => self.clear_cache(),
         }
+    }
+
+    /// Makes the cache hold only the first `start` tokens, for a prompt `ids` that does not go
+    /// on from what it holds: forgets what follows them, or starts over (a re-prefill).
+    fn go_back(&mut self, start: usize, ids: &[u32]) -> Result<(), EngineError> {
+        if start == 0 {
+            self.stats.re_prefills += 1;
+            self.clear_cache();
+            return Ok(());
+        }
+        if let Err(e) = self.session.truncate(start) {
+            self.recover(ids, &e);
+            return Err(e);
+        }
+        self.cached.truncate(start);
+        let sampling = self.sampling.clone();
+        self.set_sampling(sampling);
+        Ok(())
     }
 
     fn clear_cache(&mut self) {

@@ -324,6 +324,25 @@ impl<'m> Session<'m> {
         Ok(())
     }
 
+    /// Whether [`Self::truncate`] to `len` would succeed.
+    pub fn can_truncate(&self, len: usize) -> bool {
+        len <= self.n_past && self.cache.check_truncate(len).is_ok()
+    }
+
+    /// Forgets positions from `len` on, so that a prompt that shares only the first `len`
+    /// tokens with what the cache holds (a reply regenerated, a last message edited) goes on
+    /// from there; first rectifies what sparse steps wrote. Nothing changes when a layer can no
+    /// longer rewrite position `len` (a sliding window's ring or a quantized cache's exact
+    /// pages have let it go): the caller prefills from the start then.
+    pub fn truncate(&mut self, len: usize) -> Result<(), EngineError> {
+        assert!(len <= self.n_past, "truncating to {len} of {} positions", self.n_past);
+        self.rectify()?;
+        self.cache.truncate(len)?;
+        self.policy.forget_from(len);
+        self.n_past = len;
+        Ok(())
+    }
+
     /// Forgets everything; the cache memory is kept.
     pub fn reset(&mut self) {
         self.n_past = 0;

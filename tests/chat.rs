@@ -286,8 +286,12 @@ fn a_new_system_prompt_prefills_the_conversation_again() {
     let o = chat(&[], b"Hello\n/system Answer in French.\nHello again\n/stats\n");
     assert_eq!(o.status.code(), Some(0), "{}", text(&o.stderr));
     let s = stats(&text(&o.stdout));
-    assert_eq!(s[0].re_prefills, 1);
+    // Gemma's template puts the system text in the first user turn: everything after the
+    // turn's opening tokens (4 at most) is prefilled again, the cache going back to them rather
+    // than starting over. The cache then holds that prompt and a reply of 8 tokens at most.
+    assert_eq!(s[0].re_prefills, 0);
     assert!(s[0].per_turn[1] > s[0].per_turn[0], "{:?}", s[0]);
+    assert!(s[0].cache - s[0].per_turn[1] <= 4 + 8, "{:?}", s[0]);
 }
 
 /// A one-line error on stderr, the documented exit code, and nothing on stdout.
@@ -338,7 +342,8 @@ fn a_conversation_that_outgrows_the_context_leaves_its_oldest_turns_out() {
     let (out, err) = (text(&o.stdout), text(&o.stderr));
     assert_eq!(o.status.code(), Some(0), "{err}");
     assert_eq!(err.matches("its oldest 4 messages are left out").count(), 1, "{err}");
-    assert_eq!(stats(&out)[0].re_prefills, 1, "one re-prefill when the turns left, none after: {out}");
+    // The turns left, the cache goes back to the template's opening tokens: no restart.
+    assert_eq!(stats(&out)[0].re_prefills, 0, "{out}");
     assert!(out.contains("<bos><start_of_turn>user\nAnd Egypt"), "{out}");
     assert!(!out.contains("<start_of_turn>user\nAnd what about Greece"), "{out}");
     let saved: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&saved).unwrap()).unwrap();

@@ -150,6 +150,20 @@ fn a_request_between_two_turns_leaves_the_conversations_cache_for_the_next() {
     }
 }
 
+/// A reply asked for again (a chat app's "regenerate") prefills only the prompt's last token,
+/// and is the same reply, greedy.
+#[test]
+fn a_regenerated_reply_prefills_one_token() {
+    common::default_model();
+    let server = Server::start(&[]);
+    let request = greedy(json!([{"role": "user", "content": QUESTION}]), 12);
+    let (_, one) = server.post("/v1/chat/completions", &request);
+    let (_, two) = server.post("/v1/chat/completions", &request);
+    assert_eq!(content(&two), content(&one));
+    let prompt = two["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(two["usage"]["prompt_tokens_details"]["cached_tokens"], prompt - 1, "{}", two["usage"]);
+}
+
 #[test]
 fn stop_strings_end_the_reply_before_them() {
     common::default_model();

@@ -70,8 +70,13 @@ impl KvCache {
     /// Forgets positions from `len` on in every layer, so that they can be
     /// stored anew; nothing changes unless every layer can.
     pub fn truncate(&mut self, len: usize) -> Result<(), Settled> {
-        self.layers.iter().try_for_each(|layer| layer.check_truncate(len))?;
+        self.check_truncate(len)?;
         self.layers.iter_mut().try_for_each(|layer| layer.truncate(len))
+    }
+
+    /// Whether [`Self::truncate`] to `len` would succeed.
+    pub fn check_truncate(&self, len: usize) -> Result<(), Settled> {
+        self.layers.iter().try_for_each(|layer| layer.check_truncate(len))
     }
 
     /// Writes what the cache holds, layer by layer (counters, then buffers as bytes), for

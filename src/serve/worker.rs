@@ -24,7 +24,7 @@ use crate::audit::{AuditRecord, TOP};
 use crate::chat::{ChatTemplate, Message};
 use std::collections::VecDeque;
 
-use crate::conversation::{chat_prompt, reusable, Conversation, ConversationError, Parked};
+use crate::conversation::{chat_prompt, prefix_reuse, Conversation, ConversationError, Parked};
 use crate::engine::EngineError;
 use crate::generate::{Limits, Sampled, StopReason};
 
@@ -117,15 +117,16 @@ impl<'m> Worker<'m> {
     }
 
     /// Makes the cache the one that saves `ids` the most prefilling: the current one, or a parked
-    /// one, taken up in its place. A current cache that `ids` do not go on from is parked.
+    /// one, taken up in its place. A current cache that `ids` do not go on from is parked (whole,
+    /// also when `ids` share its beginning and the conversation forgets the rest).
     fn choose_cache(&mut self, ids: &[u32]) {
         let here = self.conversation.reusable(ids);
-        let best = self.parked.iter().enumerate().max_by_key(|(_, parked)| reusable(parked.cached(), ids));
+        let best = self.parked.iter().enumerate().max_by_key(|(_, parked)| prefix_reuse(parked.cached(), ids));
         let taken = match best {
-            Some((i, parked)) if reusable(parked.cached(), ids) > here => self.parked.remove(i),
+            Some((i, parked)) if prefix_reuse(parked.cached(), ids) > here => self.parked.remove(i),
             _ => None,
         };
-        if here == 0 && !self.conversation.cached().is_empty() {
+        if here < self.conversation.cached().len() {
             self.parked.push_front(self.conversation.park());
         }
         if let Some(parked) = taken {
