@@ -6,7 +6,7 @@ use core::arch::x86_64::*;
 use super::q6_k::{bsum_total, prepared_16, scaled_total_16};
 use super::superblock::{Prepared, SuperBlock};
 use super::{load16, load32, IsaOps};
-use crate::formats::q3_k::scales;
+use crate::formats::q3_k::scales as unpack_scales;
 use crate::formats::{f16_to_f32, BlockQ3K, BlockQ8K};
 
 /// The unsigned 3-bit codes, elements `32c .. 32c + 32` in vector `c`: half `h = c / 4`'s
@@ -27,36 +27,13 @@ fn quants(x: &BlockQ3K) -> [__m256i; 8] {
     q
 }
 
-impl SuperBlock for BlockQ3K {
-    const WITH_MIN: bool = false;
-    const HALF_SCALES: bool = true;
-
-    #[inline(always)]
-    unsafe fn prepare(&self) -> Prepared {
-        // SAFETY: the caller guarantees AVX2.
-        unsafe {
-            let scales = load16(&scales(&self.scales));
-            // The offset: −4 · Σ scale·bsum.
-            prepared_16(quants(self), scales, scales, -4)
-        }
-    }
-    fn d(&self) -> f32 {
-        f16_to_f32(self.d)
-    }
-
-    #[inline(always)]
-    unsafe fn dot<I: IsaOps>(x: &[Self], y: &[BlockQ8K]) -> f32 {
-        // SAFETY: the caller guarantees the ISA.
-        unsafe {
-            let mut acc = 0f32;
-            for (xb, yb) in x.iter().zip(y) {
-                let scales = load16(&scales(&xb.scales));
-                let sumi = scaled_total_16::<I>(&quants(xb), yb, scales) - 4 * bsum_total(scales, yb);
-                acc += (f16_to_f32(xb.d) * yb.d) * sumi as f32;
-            }
-            acc
-        }
-    }
+/// The sixteen signed byte scales `sc − 32`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn scales(x: &BlockQ3K) -> __m128i {
+    load16(&unpack_scales(&x.scales))
 }
+
+super::q6_k::superblock_with_offset!(BlockQ3K, 4);
 
 super::x86_entries!(superblock, BlockQ3K, BlockQ8K);

@@ -81,36 +81,55 @@ pub(crate) fn bsum_total(weights: __m128i, y: &BlockQ8K) -> i32 {
     hsum_i32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(weights), load32(&y.bsums)))
 }
 
-impl SuperBlock for BlockQ6K {
-    const WITH_MIN: bool = false;
-    const HALF_SCALES: bool = true;
-
-    #[inline(always)]
-    unsafe fn prepare(&self) -> Prepared {
-        // SAFETY: the caller guarantees AVX2.
-        unsafe {
-            let scales = load16(&self.scales);
-            // The offset: −32 · Σ scale·bsum.
-            prepared_16(quants(self), scales, scales, -32)
-        }
-    }
-    fn d(&self) -> f32 {
-        f16_to_f32(self.d)
-    }
-
-    #[inline(always)]
-    unsafe fn dot<I: IsaOps>(x: &[Self], y: &[BlockQ8K]) -> f32 {
-        // SAFETY: the caller guarantees the ISA.
-        unsafe {
-            let mut acc = 0f32;
-            for (xb, yb) in x.iter().zip(y) {
-                let scales = load16(&xb.scales);
-                let sumi = scaled_total_16::<I>(&quants(xb), yb, scales) - 32 * bsum_total(scales, yb);
-                acc += (f16_to_f32(xb.d) * yb.d) * sumi as f32;
-            }
-            acc
-        }
-    }
+/// The sixteen signed byte scales.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn scales(x: &BlockQ6K) -> __m128i {
+    load16(&x.scales)
 }
+
+/// `SuperBlock` for the K-quants of sixteen 16-element groups with signed byte scales whose
+/// unsigned quants stand for `q − offset` (Q6_K: 32, Q3_K: 4); the invoking module's `quants`
+/// and `scales` unpack a block.
+///
+/// `dot`: per super-block, `Σ_g scale·Σ q·y − offset · Σ_g scale·bsum`, exact in `i32`.
+macro_rules! superblock_with_offset {
+    ($block:ty, $offset:expr) => {
+        impl SuperBlock for $block {
+            const WITH_MIN: bool = false;
+            const HALF_SCALES: bool = true;
+
+            #[inline(always)]
+            unsafe fn prepare(&self) -> Prepared {
+                // SAFETY: the caller guarantees AVX2.
+                unsafe {
+                    let scales = scales(self);
+                    // The offset: −offset · Σ scale·bsum.
+                    prepared_16(quants(self), scales, scales, -$offset)
+                }
+            }
+            fn d(&self) -> f32 {
+                f16_to_f32(self.d)
+            }
+
+            #[inline(always)]
+            unsafe fn dot<I: IsaOps>(x: &[Self], y: &[BlockQ8K]) -> f32 {
+                // SAFETY: the caller guarantees the ISA.
+                unsafe {
+                    let mut acc = 0f32;
+                    for (xb, yb) in x.iter().zip(y) {
+                        let scales = scales(xb);
+                        let sumi = scaled_total_16::<I>(&quants(xb), yb, scales) - $offset * bsum_total(scales, yb);
+                        acc += (f16_to_f32(xb.d) * yb.d) * sumi as f32;
+                    }
+                    acc
+                }
+            }
+        }
+    };
+}
+pub(crate) use superblock_with_offset;
+
+superblock_with_offset!(BlockQ6K, 32);
 
 super::x86_entries!(superblock, BlockQ6K, BlockQ8K);
