@@ -116,7 +116,8 @@ fn the_next_turn_reuses_the_cache_and_replies_as_sift_chat() {
 
 /// A request for something else between two turns (a chat app's title) parks the conversation's
 /// cache; the next turn takes it up and prefills only what is new, and replies as a server that
-/// saw only the conversation does. With `--cache-ram 0` nothing is parked.
+/// saw only the conversation does. With `--cache-ram 0` nothing is parked: the next turn goes on
+/// from the title request's first tokens only.
 #[test]
 fn a_request_between_two_turns_leaves_the_conversations_cache_for_the_next() {
     common::default_model();
@@ -145,7 +146,8 @@ fn a_request_between_two_turns_leaves_the_conversations_cache_for_the_next() {
         let first_prompt = one["usage"]["prompt_tokens"].as_u64().unwrap();
         match kept {
             true => assert!(cached > first_prompt, "the first turn was parked: {cached} of {}", two["usage"]),
-            false => assert_eq!(cached, 0, "{}", two["usage"]),
+            // Only the chat template's opening tokens, which the title request shared.
+            false => assert!(cached <= 4, "{}", two["usage"]),
         }
     }
 }
