@@ -356,7 +356,7 @@ pub fn audit_token(
 /// `FILE.<pid>.partial` beside FILE: the same file system, so the rename is atomic, and the
 /// process id keeps two runs aimed at one name apart. None for a path without a file name
 /// (empty, `..`), which is then opened as it is and fails there.
-fn partial_path(path: &Path) -> Option<PathBuf> {
+pub(crate) fn partial_path(path: &Path) -> Option<PathBuf> {
     let mut name = path.file_name()?.to_os_string();
     name.push(format!(".{}.partial", std::process::id()));
     Some(path.with_file_name(name))

@@ -97,6 +97,11 @@ pub fn kept_messages(messages: &[Message], forgotten: usize) -> Vec<Message> {
     [head, &turns[forgotten.min(turns.len())..]].concat()
 }
 
+/// How many tokens `a` and `b` begin with alike.
+pub fn shared_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// How many of `ids` a cache holding `cached` saves prefilling: all of `cached` when `ids` go on
 /// from it (one token at least is left, for the logits after it), else none.
 pub fn prefix_reuse(cached: &[u32], ids: &[u32]) -> usize {
@@ -226,8 +231,7 @@ impl<'m> Conversation<'m> {
     pub fn reusable(&self, ids: &[u32]) -> usize {
         match prefix_reuse(&self.cached, ids) {
             0 => {
-                let shared = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
-                let shared = shared.min(ids.len().saturating_sub(1));
+                let shared = shared_prefix(&self.cached, ids).min(ids.len().saturating_sub(1));
                 if shared > 0 && self.session.can_truncate(shared) {
                     shared
                 } else {
@@ -253,8 +257,7 @@ impl<'m> Conversation<'m> {
             .restore(n, |cache| cache.read_from(&mut &parked.pages[..], n))
             .expect("a parked cache is read back into a cache built alike");
         self.cached = parked.cached.clone();
-        let sampling = self.sampling.clone();
-        self.set_sampling(sampling);
+        self.reseed_sampler();
     }
 
     /// Generates after the prompt `ids`, prefilling only what the cache does not hold of it.
@@ -304,7 +307,7 @@ impl<'m> Conversation<'m> {
         if ids.len() > n_ctx {
             return Err(EngineError::PromptTooLong { prompt: ids.len(), n_ctx });
         }
-        let shared = self.cached.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        let shared = shared_prefix(&self.cached, ids);
         if shared < self.cached.len() {
             match shared > 0 && self.session.can_truncate(shared) {
                 true => self.go_back(shared, ids)?,
@@ -332,8 +335,7 @@ impl<'m> Conversation<'m> {
     pub fn load_prompt_cache(&mut self, path: &Path, model: &str) -> Result<usize, PromptCacheError> {
         self.reset();
         self.cached = prompt_cache::load(&mut self.session, model, path)?;
-        let sampling = self.sampling.clone();
-        self.set_sampling(sampling);
+        self.reseed_sampler();
         Ok(self.cached.len())
     }
 
@@ -358,8 +360,7 @@ impl<'m> Conversation<'m> {
         match e {
             EngineError::Interrupted { .. } => {
                 self.cached = ids[..self.session.n_past()].to_vec();
-                let sampling = self.sampling.clone();
-                self.set_sampling(sampling);
+                self.reseed_sampler();
             }
             _ => self.clear_cache(),
         }
@@ -378,9 +379,14 @@ impl<'m> Conversation<'m> {
             return Err(e);
         }
         self.cached.truncate(start);
-        let sampling = self.sampling.clone();
-        self.set_sampling(sampling);
+        self.reseed_sampler();
         Ok(())
+    }
+
+    /// A sampler seeded afresh with the conversation's settings, which has seen what the cache
+    /// now holds: after the cache changed under it.
+    fn reseed_sampler(&mut self) {
+        self.set_sampling(self.sampling.clone());
     }
 
     fn clear_cache(&mut self) {

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::audit::partial_path;
 use crate::engine::Session;
 
 const MAGIC: &[u8; 8] = b"SIFTKV1\n";
@@ -78,11 +79,7 @@ pub fn save(session: &Session, model: &str, tokens: &[u32], path: &Path) -> Resu
     assert_eq!(tokens.len(), session.n_past(), "the tokens are the cache's");
     let io = |source| PromptCacheError::Io { path: path.to_path_buf(), source };
     let header = serde_json::to_vec(&Header::of(session, model, tokens)).map_err(|e| io(e.into()))?;
-    let partial = path.with_file_name(format!(
-        ".{}.{}.partial",
-        path.file_name().map_or("prompt-cache".into(), |n| n.to_string_lossy()),
-        std::process::id()
-    ));
+    let partial = partial_path(path).ok_or_else(|| io(io::ErrorKind::InvalidInput.into()))?;
     let written = (|| {
         let mut w = BufWriter::new(File::create(&partial)?);
         w.write_all(MAGIC)?;

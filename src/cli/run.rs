@@ -9,7 +9,7 @@ use sift::attn::capture::Capturing;
 use sift::attn::AttentionPolicy;
 use sift::audit::{audit_token, AuditHeader, AuditSummary};
 use sift::chat::{ChatTemplate, Message};
-use sift::conversation::{chat_prompt, Conversation};
+use sift::conversation::{chat_prompt, shared_prefix, Conversation};
 use sift::generate::{Limits, Sampled};
 use sift::model::Model;
 use sift::prompt_cache::PromptCacheError;
@@ -103,7 +103,7 @@ fn prompt_cache(
         info(format!("{} of the prompt's {} tokens from {}", cached.len(), prompt.len(), path.display()));
         return Ok(());
     }
-    let shared = cached.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(last);
+    let shared = shared_prefix(&cached, prompt).min(last);
     let kept = if shared > 0 { shared } else { last };
     let start = std::time::Instant::now();
     conversation.prefill(&prompt[..kept])?;

@@ -148,6 +148,26 @@ impl Storage {
     }
 }
 
+/// Every buffer of `layer` that holds pages once pages before `first_exact` are coded and
+/// positions `0..len` stored, as bytes, in the order of a cache file: exact keys and values,
+/// the sink, the value norms, the sketches, the coded values. One list for writing (`[]`,
+/// shared slices) and reading (`[mut]`).
+macro_rules! buffers_in_use {
+    ($layer:ident, $first_exact:expr, $len:expr, [$($m:tt)?], $cast:ident, $in_use:ident, $state:ident) => {{
+        let [exact, coded, sketched] = $layer.slots_in_use($first_exact, $len);
+        let (n, slots) = ($layer.n_kv_head, $layer.slots());
+        let rows = [&$($m)? $layer.exact_k, &$($m)? $layer.exact_v].map(|v| bytemuck::$cast(v));
+        let rows = rows.into_iter().flat_map(move |rows| $in_use(rows, n, slots[0], exact));
+        let sink = [&$($m)? $layer.sink_k, &$($m)? $layer.sink_v].map(|v| bytemuck::$cast(v));
+        let norms = [(&$($m)? $layer.exact_norms, slots[0], exact), (&$($m)? $layer.coded_norms, slots[1], coded)];
+        let norms =
+            norms.into_iter().flat_map(move |(norms, all, used)| $in_use(bytemuck::$cast(norms), n, all, used));
+        let sketches = $in_use(&$($m)? $layer.sketches, n, slots[2], sketched).flatten().flat_map(KeySketch::$state);
+        let values = $in_use(&$($m)? $layer.values, n, slots[1], coded).flatten().flat_map(ValueRows::$state);
+        rows.chain(sink).chain(norms).chain(sketches).chain(values)
+    }};
+}
+
 #[derive(Clone)]
 pub struct PagedLayer {
     mode: KvMode,
@@ -242,16 +262,8 @@ impl PagedLayer {
         for counter in [self.first_exact, self.len] {
             w.write_all(&(counter as u64).to_le_bytes())?;
         }
-        let [exact, coded, sketched] = self.slots_in_use(self.first_exact, self.len);
-        let (n, slots) = (self.n_kv_head, self.slots());
-        let rows = [&self.exact_k, &self.exact_v].map(|v| bytemuck::cast_slice(v));
-        let rows = rows.into_iter().flat_map(|rows| in_use(rows, n, slots[0], exact));
-        let sink = [&self.sink_k, &self.sink_v].map(|v| bytemuck::cast_slice(v));
-        let norms = [(&self.exact_norms, slots[0], exact), (&self.coded_norms, slots[1], coded)];
-        let norms = norms.into_iter().flat_map(|(norms, all, used)| in_use(bytemuck::cast_slice(norms), n, all, used));
-        let sketches = in_use(&self.sketches, n, slots[2], sketched).flatten().flat_map(KeySketch::state);
-        let values = in_use(&self.values, n, slots[1], coded).flatten().flat_map(ValueRows::state);
-        rows.chain(sink).chain(norms).chain(sketches).chain(values).try_for_each(|bytes| w.write_all(bytes))
+        let (first_exact, len) = (self.first_exact, self.len);
+        buffers_in_use!(self, first_exact, len, [], cast_slice, in_use, state).try_for_each(|bytes| w.write_all(bytes))
     }
 
     /// Reads what [`Self::write_to`] wrote into a layer built alike, which then holds positions
@@ -267,17 +279,8 @@ impl PagedLayer {
             let message = format!("a layer holds {stored} positions from page {first_exact}, not {len}");
             return Err(io::Error::new(io::ErrorKind::InvalidData, message));
         }
-        let [exact, coded, sketched] = self.slots_in_use(first_exact, len);
-        let (n, slots) = (self.n_kv_head, self.slots());
-        let rows = [&mut self.exact_k, &mut self.exact_v].map(|v| bytemuck::cast_slice_mut(v));
-        let rows = rows.into_iter().flat_map(|rows| in_use_mut(rows, n, slots[0], exact));
-        let sink = [&mut self.sink_k, &mut self.sink_v].map(|v| bytemuck::cast_slice_mut(v));
-        let norms = [(&mut self.exact_norms, slots[0], exact), (&mut self.coded_norms, slots[1], coded)];
-        let norms =
-            norms.into_iter().flat_map(|(norms, all, used)| in_use_mut(bytemuck::cast_slice_mut(norms), n, all, used));
-        let sketches = in_use_mut(&mut self.sketches, n, slots[2], sketched).flatten().flat_map(KeySketch::state_mut);
-        let values = in_use_mut(&mut self.values, n, slots[1], coded).flatten().flat_map(ValueRows::state_mut);
-        rows.chain(sink).chain(norms).chain(sketches).chain(values).try_for_each(|bytes| r.read_exact(bytes))?;
+        buffers_in_use!(self, first_exact, len, [mut], cast_slice_mut, in_use_mut, state_mut)
+            .try_for_each(|bytes| r.read_exact(bytes))?;
         (self.first_exact, self.len) = (first_exact, len);
         Ok(())
     }
