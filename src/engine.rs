@@ -54,6 +54,9 @@ pub enum EngineError {
     /// prompt's first `done` tokens, and the session counts them.
     #[error("the prompt's prefill was stopped after {done} tokens")]
     Interrupted { done: usize },
+    /// The reply's grammar failed while it was being followed.
+    #[error("structured output: {0}")]
+    Grammar(#[from] crate::structured::GrammarError),
 }
 
 /// Runs a prompt's forward pass: stores the keys and values of `tokens` at

@@ -10,6 +10,7 @@ use crate::attn::HeadRecord;
 use crate::engine::{EngineError, Session};
 use crate::rectify::RectifyStats;
 use crate::sample::Sampler;
+use crate::structured::Grammar;
 use crate::tokenizer::{TextStream, Tokenizer};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -30,6 +31,9 @@ pub struct Limits<'a> {
     pub stop: &'a [String],
     /// Set elsewhere (by a Ctrl-C handler) to stop before the next token.
     pub interrupt: Option<&'a AtomicBool>,
+    /// The grammar the reply must follow (structured output): each token is sampled among those
+    /// it allows, and the reply ends where it is complete.
+    pub grammar: Option<&'a Grammar>,
 }
 
 /// What a generation produced, and what it cost. It serializes as `sift run --json` prints it:
@@ -197,12 +201,21 @@ pub fn generate(
             out.text.push_str(text);
         }
     };
+    let mut grammar = limits.grammar.map(Grammar::start);
+    let mut allowed = Vec::new();
     while out.tokens.len() < limits.max_tokens {
         if limits.interrupt.is_some_and(|flag| flag.load(Ordering::Relaxed)) {
             out.stop = StopReason::Interrupted;
             break;
         }
-        let token = sampler.sample(&logits);
+        let token = match &mut grammar {
+            Some(grammar) => {
+                allowed.clone_from(&logits);
+                grammar.mask(&mut allowed)?;
+                sampler.sample(&allowed)
+            }
+            None => sampler.sample(&logits),
+        };
         let eog = tokenizer.is_eog(token);
         let text = if eog { String::new() } else { stream.push(token) };
         let sampled = Sampled {
@@ -223,6 +236,9 @@ pub fn generate(
             break;
         }
         sampler.accept(token);
+        if let Some(grammar) = &mut grammar {
+            grammar.accept(token)?;
+        }
         out.tokens.push(token);
         match stops.push(&text) {
             Scan::Go(text) => emit(&mut out, &text),

@@ -70,7 +70,7 @@ fn a_regenerated_reply_reuses_the_prompt_and_equals_a_fresh_one() {
         let policy = Box::new(sift::attn::dense::Dense);
         Conversation::new(&model, &tokenizer, 2048, Storage::default(), policy, greedy.clone())
     };
-    let limits = sift::generate::Limits { max_tokens: 16, stop: &[], interrupt: None };
+    let limits = sift::generate::Limits { max_tokens: 16, stop: &[], interrupt: None, grammar: None };
     let generate = |c: &mut Conversation, ids: &[u32]| {
         c.generate(ids, limits, |_| {}, |_| std::ops::ControlFlow::Continue(())).unwrap().tokens
     };

@@ -176,7 +176,7 @@ fn a_conversation_rectifies_when_a_reply_ends() {
     let mut conversation = Conversation::new(&model, tokenizer, 1300, Storage::default(), resa(), sampling);
     conversation.set_rectify(Rectify::every(EVERY)).unwrap();
     let prompt = tokens(PROMPT, 7, model.hp.n_vocab);
-    let limits = Limits { max_tokens: 10, stop: &[], interrupt: None };
+    let limits = Limits { max_tokens: 10, stop: &[], interrupt: None, grammar: None };
     let reply = conversation.generate(&prompt, limits, |_| {}, |_| std::ops::ControlFlow::Continue(())).unwrap();
     // The last token sampled is not decoded: 9 steps, rectified at the end.
     assert_eq!(reply.decode_steps, 9);

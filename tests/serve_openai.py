@@ -1,7 +1,9 @@
-"""The official `openai` client against `sift serve`: one chat completion whole, one streamed.
+"""The official `openai` client against `sift serve`: one chat completion whole, one streamed,
+one held to a JSON Schema through `response_format` (given three times the tokens).
 
-Usage: serve_openai.py BASE_URL MESSAGE MAX_TOKENS. Prints one JSON object with the model list,
-the model retrieved by name, and both replies' text, for tests/serve_python.rs to compare with `sift run --chat`.
+Usage: serve_openai.py BASE_URL MESSAGE MAX_TOKENS SCHEMA. Prints one JSON object with the model
+list, the model retrieved by name, and the replies' text, for tests/serve_python.rs to compare
+with `sift run --chat` (and `--json-schema SCHEMA`).
 """
 
 import json
@@ -11,7 +13,7 @@ from openai import OpenAI
 
 
 def main() -> None:
-    base, message, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    base, message, max_tokens, schema = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     client = OpenAI(base_url=base + "/v1", api_key="sesame", max_retries=0, timeout=300)
     models = [m.id for m in client.models.list()]
     retrieved = client.models.retrieve(models[0]).id
@@ -28,6 +30,10 @@ def main() -> None:
         if chunk.choices:
             streamed.append(chunk.choices[0].delta.content or "")
             finish = chunk.choices[0].finish_reason or finish
+    structured = client.chat.completions.create(
+        **{**request, "max_tokens": 3 * max_tokens},
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": schema}},
+    )
     print(
         json.dumps(
             {
@@ -39,6 +45,7 @@ def main() -> None:
                 "streamed": "".join(streamed),
                 "streamed_chunks": len(streamed),
                 "streamed_finish": finish,
+                "structured": structured.choices[0].message.content,
             }
         )
     )

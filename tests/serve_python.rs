@@ -1,5 +1,6 @@
 //! The official `openai` Python client talking to `sift serve`, whole and streamed: both give the
-//! greedy reply of `sift run --chat`. The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a
+//! greedy reply of `sift run --chat`, and a reply held to a JSON Schema through `response_format`
+//! gives `sift run --chat --json-schema`'s. The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a
 //! virtual environment with `openai` in it), else `python3`; without the package the test says
 //! it is skipped, except under CI, where it fails.
 
@@ -21,17 +22,27 @@ fn the_openai_python_client_gets_the_greedy_reply_whole_and_streamed() {
     }
     let model = common::default_model();
     let message = "Name three colours.";
-    let reference = Command::new(env!("CARGO_BIN_EXE_sift"))
-        .args(["run", "--quiet", "--chat", "--temp", "0", "--json", "-n", "20", "-p", message, "-m"])
-        .arg(&model)
-        .output()
-        .unwrap();
-    assert!(reference.status.success());
-    let reference: Value = serde_json::from_slice(&reference.stdout).unwrap();
+    let schema = r#"{"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string",
+        "maxLength": 10}, "maxItems": 3}}, "required": ["colours"], "additionalProperties": false}"#;
+    let run = |n: &str, extra: &[&str]| {
+        let o = Command::new(env!("CARGO_BIN_EXE_sift"))
+            .args(["run", "--quiet", "--chat", "--temp", "0", "--json", "-n", n, "-p", message, "-m"])
+            .arg(&model)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        serde_json::from_slice::<Value>(&o.stdout).unwrap()
+    };
+    let reference = run("20", &[]);
+    let structured = run("60", &["--json-schema", schema]);
+    assert_eq!(structured["stop"], "end_of_generation", "{structured}");
+    let colours: Value = serde_json::from_str(structured["text"].as_str().unwrap()).unwrap();
+    assert!(colours["colours"].is_array(), "{structured}");
 
     let server = Server::start(&["--api-key", "sesame"]);
     let script = common::repo_root().join("tests/serve_openai.py");
-    let o = Command::new(&python).arg(script).args([&server.base, message, "20"]).output().unwrap();
+    let o = Command::new(&python).arg(script).args([&server.base, message, "20", schema]).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let got: Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(got["models"][0], "gemma-3-270m-Q4_K_M");
@@ -40,6 +51,7 @@ fn the_openai_python_client_gets_the_greedy_reply_whole_and_streamed() {
     assert_eq!(got["streamed"], reference["text"]);
     assert!(got["streamed_chunks"].as_u64().unwrap() > 2, "{got}");
     assert_eq!(got["completion_tokens"], reference["tokens"]);
+    assert_eq!(got["structured"], structured["text"]);
     let finish = if reference["stop"] == "token_limit" { "length" } else { "stop" };
     assert_eq!((got["whole_finish"].as_str(), got["streamed_finish"].as_str()), (Some(finish), Some(finish)));
 }

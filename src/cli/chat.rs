@@ -25,6 +25,7 @@ use sift::engine::EngineError;
 use sift::generate::{Generated, Limits, Sampled, StopReason};
 use sift::model::Model;
 use sift::rectify::RectifyReport;
+use sift::structured::Grammar;
 use sift::tokenizer::Tokenizer;
 
 use super::{announce_template, context_size, AuditArgs, GenerationArgs, InputError, ModelArgs, Usage};
@@ -80,6 +81,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
     sampling.check(model.hp.n_vocab).map_err(super::Usage)?;
+    let grammar = args.generation.grammar(&tokenizer)?;
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
     if let Some(audit) = &mut audit {
@@ -111,6 +113,7 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         template,
         messages: Vec::new(),
         max_tokens: args.n_predict,
+        grammar,
         forget: !args.no_forget,
         forgotten: 0,
         quiet: args.quiet,
@@ -143,6 +146,8 @@ struct Chat<'a> {
     template: ChatTemplate,
     messages: Vec<Message>,
     max_tokens: usize,
+    /// What every reply must be (`--json-schema`, `--grammar`).
+    grammar: Option<Grammar>,
     /// Whether the oldest turns leave the prompt when the context is full.
     forget: bool,
     /// Turns after the system message that the prompt leaves out.
@@ -383,7 +388,9 @@ impl Chat<'_> {
     /// Streams the reply to `text` to stdout, and a newline after it.
     fn say(&mut self, text: &str) -> anyhow::Result<()> {
         INTERRUPTED.store(false, Ordering::Relaxed);
-        let limits = Limits { max_tokens: self.max_tokens, stop: &[], interrupt: Some(&INTERRUPTED) };
+        let grammar = self.grammar.take();
+        let limits =
+            Limits { max_tokens: self.max_tokens, stop: &[], interrupt: Some(&INTERRUPTED), grammar: grammar.as_ref() };
         let mut stdout = std::io::stdout().lock();
         // A closed pipe (`| head`) is not an error worth reporting.
         let on_text = |piece: &str| {
@@ -397,6 +404,7 @@ impl Chat<'_> {
             |sampled: &Sampled| audit_token(audit.as_mut(), &mut audit_failure, sampled, tokenizer, Some(turn));
         let generated = self.reply(text, limits, on_text, on_token);
         self.audit = audit;
+        self.grammar = grammar;
         if let Err(e) = &generated {
             if matches!(
                 e.downcast_ref::<ConversationError>(),

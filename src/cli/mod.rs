@@ -34,7 +34,8 @@ use sift::kv::{KvMode, Storage};
 use sift::model::{Model, ModelError};
 use sift::perplexity::PerplexityError;
 use sift::sample::{clock_seed, SamplingParams};
-use sift::tokenizer::TokenizerError;
+use sift::structured::{Format, Grammar, GrammarCompiler, GrammarError};
+use sift::tokenizer::{Tokenizer, TokenizerError};
 
 use attn::AttentionArgs;
 
@@ -353,6 +354,16 @@ pub struct GenerationArgs {
     /// Random seed [default: from the clock]
     #[arg(long)]
     pub seed: Option<u64>,
+    /// Hold every reply to this JSON Schema (structured output): the schema's JSON, or @FILE;
+    /// '{"type": "object"}' asks for any JSON object. Each token is sampled among those that keep
+    /// the reply valid, and the reply ends where the value is complete (a token limit can still
+    /// cut it short)
+    #[arg(long, value_name = "SCHEMA|@FILE", conflicts_with = "grammar")]
+    pub json_schema: Option<String>,
+    /// Hold every reply to the grammar in FILE, in llguidance's Lark syntax (`start: ...`, regular
+    /// expressions between slashes, `%json {...}` for a JSON Schema inside it)
+    #[arg(long, value_name = "FILE")]
+    pub grammar: Option<PathBuf>,
     #[command(flatten)]
     pub cache: CacheArgs,
     #[command(flatten)]
@@ -399,6 +410,33 @@ impl GenerationArgs {
             logit_bias: self.logit_bias.clone(),
             seed,
         }
+    }
+
+    /// What `--json-schema` or `--grammar` asks every reply to be. An unreadable file exits 2; a
+    /// schema that is not JSON, 1.
+    pub fn format(&self) -> anyhow::Result<Option<Format>> {
+        if let Some(path) = &self.grammar {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| InputError(format!("--grammar: cannot read {}: {e}", path.display())))?;
+            return Ok(Some(Format::Lark(text)));
+        }
+        let Some(schema) = &self.json_schema else { return Ok(None) };
+        let text = match schema.strip_prefix('@') {
+            Some(path) => std::fs::read_to_string(path)
+                .map_err(|e| InputError(format!("--json-schema: cannot read {path}: {e}")))?,
+            None => schema.clone(),
+        };
+        let schema = serde_json::from_str(&text).map_err(|e| Usage(format!("--json-schema is not JSON: {e}")))?;
+        Ok(Some(Format::JsonSchema(schema)))
+    }
+
+    /// The grammar every reply must follow, compiled for `tokenizer`; one llguidance cannot
+    /// read exits 1 with its reason.
+    pub fn grammar(&self, tokenizer: &Tokenizer) -> anyhow::Result<Option<Grammar>> {
+        let Some(format) = self.format()? else { return Ok(None) };
+        let flag = if self.grammar.is_some() { "--grammar" } else { "--json-schema" };
+        let usage = |e: GrammarError| Usage(format!("{flag}: {e}"));
+        Ok(Some(GrammarCompiler::new(tokenizer).and_then(|c| c.compile(&format)).map_err(usage)?))
     }
 }
 

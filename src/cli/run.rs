@@ -136,6 +136,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
     sampling.check(model.hp.n_vocab).map_err(super::Usage)?;
+    let grammar = args.generation.grammar(&tokenizer)?;
     sift::matmul::set_f32_activations(args.f32_activations);
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = if args.chat || args.system.is_some() || args.chat_template.is_some() {
@@ -189,7 +190,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
     }
 
     let mut stdout = std::io::stdout().lock();
-    let limits = Limits { max_tokens: args.n_predict, stop: &args.stop, interrupt: None };
+    let limits = Limits { max_tokens: args.n_predict, stop: &args.stop, interrupt: None, grammar: grammar.as_ref() };
     let mut audit_failure = None;
     let on_text = |text: &str| {
         if !args.json {

@@ -12,6 +12,7 @@ use crate::audit::{AuditRecord, TOP};
 use crate::chat::Message;
 use crate::generate::StopReason;
 use crate::sample::{clock_seed, SamplingParams};
+use crate::structured::Format;
 use crate::tokenizer::Tokenizer;
 
 use super::error::ApiError;
@@ -64,6 +65,37 @@ pub struct Options {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
+    /// Structured output: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema":
+    /// {"name", "schema", "strict"}}` or `{"type": "text"}`.
+    pub response_format: Option<ResponseFormat>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+/// `response_format.json_schema`: its `name` and `strict` are accepted and not needed (the schema
+/// is always followed strictly).
+#[derive(Debug, Deserialize)]
+pub struct JsonSchemaFormat {
+    pub schema: Option<serde_json::Value>,
+}
+
+impl ResponseFormat {
+    fn format(&self) -> Option<Format> {
+        match self {
+            ResponseFormat::Text => None,
+            ResponseFormat::JsonObject => Some(Format::JsonSchema(serde_json::json!({ "type": "object" }))),
+            // Without a schema, any JSON value.
+            ResponseFormat::JsonSchema { json_schema } => {
+                Some(Format::JsonSchema(json_schema.schema.clone().unwrap_or_else(|| serde_json::json!({}))))
+            }
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -158,6 +190,8 @@ pub struct Params {
     pub stop: Vec<String>,
     /// With logprobs: how many alternatives each position lists.
     pub top_logprobs: Option<usize>,
+    /// What the reply must be (structured output), compiled by the worker.
+    pub format: Option<Format>,
 }
 
 impl Options {
@@ -202,6 +236,7 @@ impl Options {
             max_tokens: self.max_completion_tokens.or(self.max_tokens).unwrap_or(defaults.max_tokens),
             stop,
             top_logprobs,
+            format: self.response_format.as_ref().map_or_else(|| defaults.format.clone(), ResponseFormat::format),
         })
     }
 

@@ -27,6 +27,7 @@ use std::collections::VecDeque;
 use crate::conversation::{chat_prompt, prefix_reuse, Conversation, ConversationError, Parked};
 use crate::engine::EngineError;
 use crate::generate::{Limits, Sampled, StopReason};
+use crate::structured::{Format, Grammar, GrammarCompiler};
 
 use super::api::{Params, TokenLogprob};
 use super::error::ApiError;
@@ -109,11 +110,24 @@ pub struct Worker<'m> {
     parked: VecDeque<Parked>,
     /// The most memory the parked caches may take, in bytes.
     cache_ram: usize,
+    /// Built when the first request asks for structured output.
+    grammars: Option<GrammarCompiler>,
 }
 
 impl<'m> Worker<'m> {
     pub fn new(conversation: Conversation<'m>, template: ChatTemplate, cache_ram: usize) -> Self {
-        Self { conversation, template, parked: VecDeque::new(), cache_ram }
+        Self { conversation, template, parked: VecDeque::new(), cache_ram, grammars: None }
+    }
+
+    /// `format` compiled for the model's vocabulary; one that cannot be is the request's fault.
+    fn grammar(&mut self, format: &Format) -> Result<Grammar, ApiError> {
+        let compiler = match &mut self.grammars {
+            Some(compiler) => compiler,
+            grammars => grammars.insert(
+                GrammarCompiler::new(self.conversation.tokenizer()).map_err(|e| ApiError::internal(e.to_string()))?,
+            ),
+        };
+        compiler.compile(format).map_err(|e| ApiError::invalid(format!("response_format: {e}")))
     }
 
     /// Makes the cache the one that saves `ids` the most prefilling: the current one, or a parked
@@ -166,6 +180,7 @@ impl<'m> Worker<'m> {
             return Err(ApiError::invalid("the prompt is empty"));
         }
         let params = &job.params;
+        let grammar = params.format.as_ref().map(|format| self.grammar(format)).transpose()?;
         self.choose_cache(&ids);
         self.conversation.set_sampling(params.sampling.clone());
         let cached_tokens = self.conversation.reusable(&ids);
@@ -173,7 +188,8 @@ impl<'m> Worker<'m> {
         if send(Event::Started { prompt_tokens: ids.len(), cached_tokens }).is_err() {
             return Ok(());
         }
-        let limits = Limits { max_tokens: params.max_tokens, stop: &params.stop, interrupt: None };
+        let limits =
+            Limits { max_tokens: params.max_tokens, stop: &params.stop, interrupt: None, grammar: grammar.as_ref() };
         let on_text = |text: &str| {
             let _ = send(Event::Text(text.to_string()));
         };

@@ -133,6 +133,12 @@ impl Tokenizer {
         self.vocab.eog.contains(&id)
     }
 
+    /// Whether `id` is a control token (`<start_of_turn>`, `<eos>`) or the unknown token: one that
+    /// stands for no text a model writes.
+    pub fn is_control(&self, id: u32) -> bool {
+        self.vocab.attrs.get(id as usize).is_some_and(|attr| attr.has(Attr::CONTROL | Attr::UNKNOWN))
+    }
+
     /// The Jinja chat template stored with the vocabulary.
     pub fn chat_template(&self) -> Option<&str> {
         self.vocab.chat_template.as_deref()
