@@ -37,10 +37,13 @@ pub enum Format {
 pub struct GrammarError(String);
 
 impl GrammarError {
-    /// llguidance's message, first line only: a grammar's syntax error goes on with the line it
-    /// is in and a caret, which a one-line error leaves out (its first line gives line(column)).
+    /// llguidance's message on one line: a syntax error's message spreads over lines, with the
+    /// text quoted and a caret under the place, which a one-line error leaves out.
     fn from(e: impl std::fmt::Display) -> Self {
-        Self(e.to_string().lines().next().unwrap_or_default().trim_end().to_string())
+        let message = e.to_string();
+        let lines: Vec<&str> =
+            message.lines().map(str::trim).filter(|l| !l.trim_matches(['^', '~']).is_empty()).collect();
+        Self(lines.join(" "))
     }
 }
 

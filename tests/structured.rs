@@ -209,10 +209,12 @@ fn run_and_chat_follow_a_schema_or_a_grammar_and_refuse_bad_ones() {
     let run = |extra: &[&str]| sift(&[&["run", "-m", &model, "-p", "x", "-n", "4"][..], extra].concat());
     fails(&run(&["--json-schema", "{not json"]), 1, "--json-schema is not JSON");
     fails(&run(&["--json-schema", r#"{"type": "strin"}"#]), 1, "--json-schema: ");
+    let pattern = r#"{"type": "string", "pattern": "[a-z"}"#;
+    fails(&run(&["--json-schema", pattern]), 1, "unclosed character class");
     fails(&run(&["--grammar", &format!("{}/missing.lark", dir.display())]), 2, "cannot read");
     fails(&run(&["--json-schema", &format!("@{}/missing.json", dir.display())]), 2, "cannot read");
     std::fs::write(dir.join("bad.lark"), "start: (\n").unwrap();
-    fails(&run(&["--grammar", &dir.join("bad.lark").to_string_lossy()]), 1, "--grammar: ");
+    fails(&run(&["--grammar", &dir.join("bad.lark").to_string_lossy()]), 1, "--grammar: 1(9): Expected token ')'");
     let o = run(&["--json-schema", "{}", "--grammar", &g]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).unwrap();
