@@ -250,6 +250,12 @@ fn serve_holds_replies_to_response_format() {
         assert!(content.trim_start().starts_with('{'), "{content:?}");
     }
 
+    // llama.cpp's server's way of giving a schema.
+    let (status, body) =
+        server.post("/v1/chat/completions", &ask(json!({ "type": "json_object", "schema": person_schema() }), false));
+    assert_eq!(status, 200, "{body}");
+    check_person(body["choices"][0]["message"]["content"].as_str().unwrap().trim()).unwrap();
+
     let bad = json!({ "type": "json_schema", "json_schema": { "name": "x", "schema": { "type": "strin" } } });
     let (status, body) = server.post("/v1/chat/completions", &ask(bad, false));
     assert_eq!(status, 400, "{body}");

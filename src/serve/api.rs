@@ -65,8 +65,8 @@ pub struct Options {
     #[serde(default)]
     pub stream: bool,
     pub stream_options: Option<StreamOptions>,
-    /// Structured output: `{"type": "json_object"}`, `{"type": "json_schema", "json_schema":
-    /// {"name", "schema", "strict"}}` or `{"type": "text"}`.
+    /// Structured output: `{"type": "json_object"}` (with llama.cpp's `"schema"`, if any),
+    /// `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` or `{"type": "text"}`.
     pub response_format: Option<ResponseFormat>,
 }
 
@@ -74,8 +74,13 @@ pub struct Options {
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ResponseFormat {
     Text,
-    JsonObject,
-    JsonSchema { json_schema: JsonSchemaFormat },
+    /// Any JSON object; llama.cpp's server also reads a `schema` here, and so does sift.
+    JsonObject {
+        schema: Option<serde_json::Value>,
+    },
+    JsonSchema {
+        json_schema: JsonSchemaFormat,
+    },
 }
 
 /// `response_format.json_schema`: its `name` and `strict` are accepted and not needed (the schema
@@ -89,7 +94,9 @@ impl ResponseFormat {
     fn format(&self) -> Option<Format> {
         match self {
             ResponseFormat::Text => None,
-            ResponseFormat::JsonObject => Some(Format::JsonSchema(serde_json::json!({ "type": "object" }))),
+            ResponseFormat::JsonObject { schema } => {
+                Some(Format::JsonSchema(schema.clone().unwrap_or_else(|| serde_json::json!({ "type": "object" }))))
+            }
             // Without a schema, any JSON value.
             ResponseFormat::JsonSchema { json_schema } => {
                 Some(Format::JsonSchema(json_schema.schema.clone().unwrap_or_else(|| serde_json::json!({}))))
