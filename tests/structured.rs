@@ -221,7 +221,7 @@ fn run_and_chat_follow_a_schema_or_a_grammar_and_refuse_bad_ones() {
 }
 
 #[test]
-fn serve_holds_replies_to_response_format() {
+fn serve_holds_replies_to_response_format_and_refuses_a_demanded_tool_call() {
     let server = Server::start(&["--temp", "1.2", "--top-k", "0", "--seed", "3"]);
     let ask = |format: Value, stream: bool| {
         json!({
@@ -262,6 +262,22 @@ fn serve_holds_replies_to_response_format() {
     assert!(body["error"]["message"].as_str().unwrap().starts_with("response_format: "), "{body}");
     let (status, body) = server.post("/v1/chat/completions", &ask(json!({ "type": "yaml" }), false));
     assert_eq!(status, 400, "{body}");
+
+    // A tool call demanded is refused, since none can be made; "auto" gets text.
+    let tools = json!([{ "type": "function", "function": { "name": "f", "parameters": { "type": "object" } } }]);
+    for choice in [json!("required"), json!({ "type": "function", "function": { "name": "f" } })] {
+        let mut request = ask(json!({ "type": "text" }), false);
+        request["tools"] = tools.clone();
+        request["tool_choice"] = choice;
+        let (status, body) = server.post("/v1/chat/completions", &request);
+        assert_eq!(status, 400, "{body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains("sift does not call tools"), "{body}");
+    }
+    let mut request = ask(json!({ "type": "text" }), false);
+    request["tools"] = tools;
+    request["tool_choice"] = json!("auto");
+    request["max_tokens"] = json!(4);
+    assert_eq!(server.post("/v1/chat/completions", &request).0, 200);
 
     // The server is fine after a refused request, and plain text is still plain.
     let (status, body) = server.post("/v1/chat/completions", &ask(json!({ "type": "text" }), false));

@@ -29,6 +29,23 @@ pub struct ChatRequest {
     /// How many of the most likely tokens each position lists (with `logprobs`).
     #[serde(default)]
     pub top_logprobs: Option<usize>,
+    /// `"none"`, `"auto"`, `"required"` or a named function: sift calls no tools, so only the
+    /// first two are served (a reply in text is what `"auto"` allows).
+    pub tool_choice: Option<serde_json::Value>,
+}
+
+impl ChatRequest {
+    /// Refuses a request that demands a tool call, which sift cannot make; `tools` themselves
+    /// are not read (the model does not see them), so with `"auto"` the reply is text.
+    pub fn check_tool_choice(&self) -> Result<(), ApiError> {
+        match &self.tool_choice {
+            None => Ok(()),
+            Some(serde_json::Value::String(choice)) if choice == "none" || choice == "auto" => Ok(()),
+            Some(choice) => Err(ApiError::invalid(format!(
+                "tool_choice {choice}: sift does not call tools; use \"auto\" or \"none\", or response_format for JSON"
+            ))),
+        }
+    }
 }
 
 /// `POST /v1/completions`.

@@ -156,6 +156,7 @@ async fn chat_completions(State(server): State<Arc<Server>>, body: Result<Bytes,
         if request.messages.is_empty() {
             return Err(ApiError::invalid("messages: at least one message is needed"));
         }
+        request.check_tool_choice()?;
         let messages = request.messages.iter().map(|m| m.to_message()).collect::<Result<Vec<_>, _>>()?;
         let top = request.logprobs.then(|| request.top_logprobs.unwrap_or(0));
         let params = request.options.params(&server.config.defaults, top, server.n_vocab)?;
