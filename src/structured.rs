@@ -140,9 +140,17 @@ impl GrammarState {
         if allowed.num_set() == 0 {
             return Err(GrammarError("the grammar allows no token here".into()));
         }
-        for (id, logit) in logits.iter_mut().enumerate() {
-            if id >= allowed.len() || !allowed.is_allowed(id as u32) {
-                *logit = f32::NEG_INFINITY;
+        // The mask keeps a bit per token, 32 to a word (none past the vocabulary); a word of all
+        // ones leaves its 32 logits as they are.
+        let words = allowed.as_slice();
+        for (i, logits) in logits.chunks_mut(32).enumerate() {
+            let word = words.get(i).copied().unwrap_or(0);
+            if word != u32::MAX {
+                for (bit, logit) in logits.iter_mut().enumerate() {
+                    if word >> bit & 1 == 0 {
+                        *logit = f32::NEG_INFINITY;
+                    }
+                }
             }
         }
         Ok(())
