@@ -1,5 +1,6 @@
 """The official `openai` client against `sift serve`: one chat completion whole, one streamed,
-one held to a JSON Schema through `response_format` (given three times the tokens).
+one held to a JSON Schema through `response_format` (given three times the tokens), and the same
+asked through the client's `parse` with a Pydantic model, as Python applications ask for it.
 
 Usage: serve_openai.py BASE_URL MESSAGE MAX_TOKENS SCHEMA. Prints one JSON object with the model
 list, the model retrieved by name, and the replies' text, for tests/serve_python.rs to compare
@@ -10,6 +11,11 @@ import json
 import sys
 
 from openai import OpenAI
+from pydantic import BaseModel, Field
+
+
+class Colours(BaseModel):
+    colours: list[str] = Field(max_length=3)
 
 
 def main() -> None:
@@ -34,6 +40,10 @@ def main() -> None:
         **{**request, "max_tokens": 3 * max_tokens},
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": schema}},
     )
+    parsed = client.chat.completions.parse(
+        **{**request, "max_tokens": 3 * max_tokens},
+        response_format=Colours,
+    )
     print(
         json.dumps(
             {
@@ -46,6 +56,7 @@ def main() -> None:
                 "streamed_chunks": len(streamed),
                 "streamed_finish": finish,
                 "structured": structured.choices[0].message.content,
+                "parsed": parsed.choices[0].message.parsed.colours,
             }
         )
     )

@@ -1,6 +1,6 @@
 //! The official `openai` Python client talking to `sift serve`, whole and streamed: both give the
 //! greedy reply of `sift run --chat`, and a reply held to a JSON Schema through `response_format`
-//! gives `sift run --chat --json-schema`'s. The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a
+//! (or the client's `parse` with a Pydantic model) gives `sift run --chat --json-schema`'s. The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a
 //! virtual environment with `openai` in it), else `python3`; without the package the test says
 //! it is skipped, except under CI, where it fails.
 
@@ -52,6 +52,8 @@ fn the_openai_python_client_gets_the_greedy_reply_whole_and_streamed() {
     assert!(got["streamed_chunks"].as_u64().unwrap() > 2, "{got}");
     assert_eq!(got["completion_tokens"], reference["tokens"]);
     assert_eq!(got["structured"], structured["text"]);
+    // Pydantic's schema for the same shape (titles aside) gives the same greedy reply, parsed.
+    assert_eq!(got["parsed"], colours["colours"], "{got}");
     let finish = if reference["stop"] == "token_limit" { "length" } else { "stop" };
     assert_eq!((got["whole_finish"].as_str(), got["streamed_finish"].as_str()), (Some(finish), Some(finish)));
 }
