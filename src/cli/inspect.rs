@@ -24,7 +24,7 @@ pub struct InspectArgs {
 }
 
 pub fn run(args: InspectArgs) -> anyhow::Result<()> {
-    let file = args.model.open()?;
+    let file = args.model.open_for_metadata()?;
     let model = Model::load(&file)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let hp = &model.hp;

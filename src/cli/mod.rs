@@ -112,7 +112,23 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// The model file, where `--load` says its weights should live.
     pub fn open(&self) -> anyhow::Result<GgufFile> {
+        let residence = match self.load.as_str() {
+            "mmap" => Residence::Mapped,
+            "huge-pages" => Residence::HugePages,
+            _ => Residence::Auto,
+        };
+        self.open_in(residence)
+    }
+
+    /// The model file for a command that reads its metadata and vocabulary but never its weights
+    /// (`tokenize`, `inspect`): mapped whatever `--load` says, so that no weight is read.
+    pub fn open_for_metadata(&self) -> anyhow::Result<GgufFile> {
+        self.open_in(Residence::Mapped)
+    }
+
+    fn open_in(&self, residence: Residence) -> anyhow::Result<GgufFile> {
         if self.isa != "auto" {
             let isa: simd::Isa = self.isa.parse().map_err(|e: simd::ParseIsaError| Usage(e.0))?;
             simd::select_isa(isa).map_err(|e| Usage(e.to_string()))?;
@@ -133,11 +149,6 @@ impl ModelArgs {
                 }
                 path
             }
-        };
-        let residence = match self.load.as_str() {
-            "mmap" => Residence::Mapped,
-            "huge-pages" => Residence::HugePages,
-            _ => Residence::Auto,
         };
         Ok(GgufFile::open_in(path, residence)?)
     }

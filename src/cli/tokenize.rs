@@ -22,7 +22,7 @@ pub struct TokenizeArgs {
 
 pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     let text = read_prompt(args.prompt.as_deref())?;
-    let file = args.model.open()?;
+    let file = args.model.open_for_metadata()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let ids = tokenizer.encode(&text, !args.no_special, false)?;
     if args.pieces {
