@@ -106,7 +106,8 @@ pub struct ModelArgs {
     /// 2 MiB pages (decoding streams every weight, and runs about 10% faster
     /// so), mmap maps the file (shared with the page cache, nothing read at
     /// start); auto takes huge pages when the kernel offers them and the file
-    /// is under half of the available memory
+    /// is under half of the available memory (tokenize and inspect, which
+    /// read no weights, always map)
     #[arg(long, env = "SIFT_LOAD", default_value = "auto", value_parser = ["auto", "mmap", "huge-pages"])]
     load: String,
 }
