@@ -5,8 +5,9 @@
 //! [`matmul`] for quantized products and [`attn`] for attention over the
 //! [`kv`] cache; [`engine`] drives prefill and decoding for a session, and [`rectify`] refreshes
 //! what sparse decoding wrote to the cache;
-//! [`sample`] picks tokens, within what a [`structured`] output's grammar allows; [`tokenizer`] maps text to ids and back; [`generate`]
-//! runs the loop of the two, and [`chat`] renders conversations for it;
+//! [`sample`] picks tokens, within what a [`structured`] output's grammar allows;
+//! [`tokenizer`] maps text to ids and back; [`generate`] runs the loop of the two, and [`chat`]
+//! renders conversations for it;
 //! [`conversation`] keeps a session's cache across the requests of a conversation, for the
 //! command line and for [`serve`], the HTTP server; [`audit`] records a generation token by token.
 
