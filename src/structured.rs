@@ -22,7 +22,7 @@ use llguidance::{Matcher, ParserFactory};
 use crate::tokenizer::Tokenizer;
 
 /// What a reply must be.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub enum Format {
     /// A JSON value valid under this JSON Schema (`{"type": "object"}`: any object).
     JsonSchema(serde_json::Value),

@@ -9,7 +9,7 @@ fn sift(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_sift")).args(args).stdin(Stdio::null()).output().unwrap()
 }
 
-use common::sift_with_stdin;
+use common::{assert_fails, sift_with_stdin};
 
 fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
@@ -17,19 +17,6 @@ fn stdout(o: &Output) -> String {
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// A one-line error on stderr and the documented exit code.
-fn assert_fails(o: &Output, code: i32, needle: &str) {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(code), "stderr: {err}");
-    assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "error is not one line: {err}");
-    // Each cause once: "cannot open: <os error>", not the os error twice.
-    let causes: Vec<&str> = err.trim_end().split(": ").collect();
-    let repeated = causes.iter().enumerate().any(|(i, c)| causes[..i].contains(c));
-    assert!(!repeated, "a cause is said twice: {err}");
-    assert!(o.stdout.is_empty(), "stdout should be empty on error: {}", stdout(o));
 }
 
 fn tiny_llama() -> Option<PathBuf> {

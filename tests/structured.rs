@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::process::Output;
 use std::sync::OnceLock;
 
+use common::assert_fails;
 use common::server::{streamed_text, Server};
 use serde_json::{json, Value};
 use sift::conversation::Conversation;
@@ -174,13 +175,6 @@ fn model_arg() -> String {
     common::default_model().to_string_lossy().into_owned()
 }
 
-fn fails(o: &Output, code: i32, needle: &str) {
-    let err = stderr(o);
-    assert_eq!(o.status.code(), Some(code), "stderr: {err}");
-    assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "error is not one line: {err}");
-}
-
 #[test]
 fn run_and_chat_follow_a_schema_or_a_grammar_and_refuse_bad_ones() {
     let model = model_arg();
@@ -207,14 +201,18 @@ fn run_and_chat_follow_a_schema_or_a_grammar_and_refuse_bad_ones() {
     }
 
     let run = |extra: &[&str]| sift(&[&["run", "-m", &model, "-p", "x", "-n", "4"][..], extra].concat());
-    fails(&run(&["--json-schema", "{not json"]), 1, "--json-schema is not JSON");
-    fails(&run(&["--json-schema", r#"{"type": "strin"}"#]), 1, "--json-schema: ");
+    assert_fails(&run(&["--json-schema", "{not json"]), 1, "--json-schema is not JSON");
+    assert_fails(&run(&["--json-schema", r#"{"type": "strin"}"#]), 1, "--json-schema: ");
     let pattern = r#"{"type": "string", "pattern": "[a-z"}"#;
-    fails(&run(&["--json-schema", pattern]), 1, "unclosed character class");
-    fails(&run(&["--grammar", &format!("{}/missing.lark", dir.display())]), 2, "cannot read");
-    fails(&run(&["--json-schema", &format!("@{}/missing.json", dir.display())]), 2, "cannot read");
+    assert_fails(&run(&["--json-schema", pattern]), 1, "unclosed character class");
+    assert_fails(&run(&["--grammar", &format!("{}/missing.lark", dir.display())]), 2, "cannot read");
+    assert_fails(&run(&["--json-schema", &format!("@{}/missing.json", dir.display())]), 2, "cannot read");
     std::fs::write(dir.join("bad.lark"), "start: (\n").unwrap();
-    fails(&run(&["--grammar", &dir.join("bad.lark").to_string_lossy()]), 1, "--grammar: 1(9): Expected token ')'");
+    assert_fails(
+        &run(&["--grammar", &dir.join("bad.lark").to_string_lossy()]),
+        1,
+        "--grammar: 1(9): Expected token ')'",
+    );
     let o = run(&["--json-schema", "{}", "--grammar", &g]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).unwrap();

@@ -446,9 +446,17 @@ impl GenerationArgs {
     /// read exits 1 with its reason.
     pub fn grammar(&self, tokenizer: &Tokenizer) -> anyhow::Result<Option<Grammar>> {
         let Some(format) = self.format()? else { return Ok(None) };
+        Ok(Some(self.compile(tokenizer, &format)?.1))
+    }
+
+    /// `format` (this command's `--json-schema` or `--grammar`) compiled for `tokenizer`, with the
+    /// compiler, which can compile more; one llguidance cannot read exits 1 with its reason.
+    pub fn compile(&self, tokenizer: &Tokenizer, format: &Format) -> anyhow::Result<(GrammarCompiler, Grammar)> {
         let flag = if self.grammar.is_some() { "--grammar" } else { "--json-schema" };
         let usage = |e: GrammarError| Usage(format!("{flag}: {e}"));
-        Ok(Some(GrammarCompiler::new(tokenizer).and_then(|c| c.compile(&format)).map_err(usage)?))
+        let compiler = GrammarCompiler::new(tokenizer).map_err(usage)?;
+        let grammar = compiler.compile(format).map_err(usage)?;
+        Ok((compiler, grammar))
     }
 }
 

@@ -66,8 +66,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
     sampling.check(model.hp.n_vocab).map_err(super::Usage)?;
-    // Compiled once here so that a bad one stops the start; requests compile their own.
-    args.generation.grammar(&tokenizer)?;
+    // The default format is compiled here, so that a bad one stops the start; the compiler then
+    // compiles the requests' own.
+    let format = args.generation.format()?;
+    let grammars = match &format {
+        Some(format) => Some(args.generation.compile(&tokenizer, format)?.0),
+        None => None,
+    };
     let n_ctx = context_size(args.generation.ctx, model.hp.n_ctx_train)?;
     let template = ChatTemplate::for_model(&tokenizer, model.hp.arch, args.chat_template.as_deref())?;
     let storage = args.generation.cache.storage();
@@ -96,13 +101,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         queue: args.queue,
         max_body: args.max_body,
         origins,
-        defaults: Params {
-            sampling,
-            max_tokens: args.n_predict,
-            stop: Vec::new(),
-            top_logprobs: None,
-            format: args.generation.format()?,
-        },
+        defaults: Params { sampling, max_tokens: args.n_predict, stop: Vec::new(), top_logprobs: None, format },
         cache_ram: args.cache_ram << 20,
     };
     // The first line on stdout, once connections are taken: scripts read the port from it.
@@ -110,7 +109,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     writeln!(stdout, "listening on http://{address}")?;
     stdout.flush()?;
     drop(stdout);
-    sift::serve::serve(listener, conversation, template, config)?;
+    sift::serve::serve(listener, conversation, template, config, grammars)?;
     if !args.quiet {
         eprintln!("sift: server stopped");
     }

@@ -23,6 +23,7 @@ use std::net::TcpListener;
 
 use crate::chat::ChatTemplate;
 use crate::conversation::Conversation;
+use crate::structured::GrammarCompiler;
 
 pub use api::Params;
 pub use cors::Origins;
@@ -56,12 +57,14 @@ pub enum ServeError {
 }
 
 /// Serves `conversation` on `listener` until Ctrl-C or SIGTERM. Returns once the reply in
-/// flight has been sent.
+/// flight has been sent. `grammars` compiles the requests' structured formats; without one, it is
+/// built when the first request asks for one.
 pub fn serve(
     listener: TcpListener,
     conversation: Conversation<'_>,
     template: ChatTemplate,
     config: Config,
+    grammars: Option<GrammarCompiler>,
 ) -> Result<(), ServeError> {
     let n_ctx = conversation.session().n_ctx();
     let n_vocab = conversation.session().model().hp.n_vocab;
@@ -72,6 +75,6 @@ pub fn serve(
         .spawn(move || routes::run(listener, queue, config, n_ctx, n_vocab))
         .map_err(ServeError::Runtime)?;
     // Until the HTTP side lets go of the queue: after shutdown, or should it fail.
-    worker::Worker::new(conversation, template, cache_ram).run(jobs);
+    worker::Worker::new(conversation, template, cache_ram, grammars).run(jobs);
     http.join().map_err(|_| ServeError::Panicked)?
 }

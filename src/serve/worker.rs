@@ -110,13 +110,19 @@ pub struct Worker<'m> {
     parked: VecDeque<Parked>,
     /// The most memory the parked caches may take, in bytes.
     cache_ram: usize,
-    /// Built when the first request asks for structured output.
+    /// Given by the server (built for its default format), or built when the first request asks
+    /// for structured output.
     grammars: Option<GrammarCompiler>,
 }
 
 impl<'m> Worker<'m> {
-    pub fn new(conversation: Conversation<'m>, template: ChatTemplate, cache_ram: usize) -> Self {
-        Self { conversation, template, parked: VecDeque::new(), cache_ram, grammars: None }
+    pub fn new(
+        conversation: Conversation<'m>,
+        template: ChatTemplate,
+        cache_ram: usize,
+        grammars: Option<GrammarCompiler>,
+    ) -> Self {
+        Self { conversation, template, parked: VecDeque::new(), cache_ram, grammars }
     }
 
     /// `format` compiled for the model's vocabulary; one that cannot be is the request's fault.

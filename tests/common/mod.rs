@@ -55,6 +55,19 @@ pub fn gemma3_tokenizer() -> &'static Tokenizer {
     GEMMA3.get_or_init(|| tokenizer(&default_model()))
 }
 
+/// A one-line error on stderr and the documented exit code.
+pub fn assert_fails(o: &Output, code: i32, needle: &str) {
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(code), "stderr: {err}");
+    assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "error is not one line: {err}");
+    // Each cause once: "cannot open: <os error>", not the os error twice.
+    let causes: Vec<&str> = err.trim_end().split(": ").collect();
+    let repeated = causes.iter().enumerate().any(|(i, c)| causes[..i].contains(c));
+    assert!(!repeated, "a cause is said twice: {err}");
+    assert!(o.stdout.is_empty(), "stdout should be empty on error: {}", String::from_utf8_lossy(&o.stdout));
+}
+
 /// Runs the `sift` binary with `input` on standard input.
 pub fn sift_with_stdin(args: &[&str], input: &[u8]) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_sift"))
