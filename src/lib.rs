@@ -5,7 +5,8 @@
 //! [`matmul`] for quantized products and [`attn`] for attention over the
 //! [`kv`] cache; [`engine`] drives prefill and decoding for a session, and [`rectify`] refreshes
 //! what sparse decoding wrote to the cache;
-//! [`sample`] picks tokens, within what a [`structured`] output's grammar allows;
+//! [`sample`] picks tokens, within what a [`structured`] output's grammar allows (and [`tools`]
+//! asks for calls that way);
 //! [`tokenizer`] maps text to ids and back; [`generate`] runs the loop of the two, and [`chat`]
 //! renders conversations for it;
 //! [`conversation`] keeps a session's cache across the requests of a conversation, for the
@@ -34,3 +35,4 @@ pub mod serve;
 pub mod structured;
 pub mod threads;
 pub mod tokenizer;
+pub mod tools;

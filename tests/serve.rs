@@ -336,7 +336,7 @@ fn bad_requests_get_openais_errors_with_the_right_status() {
         400,
         "temperature",
     );
-    assert_error(chat(r#"{"messages": [{"role": "tool", "content": "Hi"}]}"#, &key), 400, "role");
+    assert_error(chat(r#"{"messages": [{"role": "robot", "content": "Hi"}]}"#, &key), 400, "role");
     let hi = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "Hi"}}], {extra}}}"#);
     assert_error(chat(&hi(r#""n": 2"#), &key), 400, "n: only one choice");
     assert_error(chat(&hi(r#""presence_penalty": 2.5"#), &key), 400, "presence_penalty");

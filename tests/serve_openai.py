@@ -1,6 +1,7 @@
 """The official `openai` client against `sift serve`: one chat completion whole, one streamed,
-one held to a JSON Schema through `response_format` (given three times the tokens), and the same
-asked through the client's `parse` with a Pydantic model, as Python applications ask for it.
+one held to a JSON Schema through `response_format` (given three times the tokens), the same
+asked through the client's `parse` with a Pydantic model, as Python applications ask for it, and
+a required call of a tool whose parameters are that schema, whole and streamed.
 
 Usage: serve_openai.py BASE_URL MESSAGE MAX_TOKENS SCHEMA. Prints one JSON object with the model
 list, the model retrieved by name, and the replies' text, for tests/serve_python.rs to compare
@@ -44,6 +45,16 @@ def main() -> None:
         **{**request, "max_tokens": 3 * max_tokens},
         response_format=Colours,
     )
+    tools = [{"type": "function", "function": {"name": "pick_colours", "parameters": schema}}]
+    calling = {**request, "max_tokens": 3 * max_tokens, "tools": tools, "tool_choice": "required"}
+    called = client.chat.completions.create(**calling, parallel_tool_calls=False)
+    call = called.choices[0].message.tool_calls[0]
+    # A stream's calls, put together from their deltas as clients do.
+    streamed_call = {"name": "", "arguments": ""}
+    for chunk in client.chat.completions.create(**calling, parallel_tool_calls=False, stream=True):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed_call["name"] += delta.function.name or ""
+            streamed_call["arguments"] += delta.function.arguments or ""
     print(
         json.dumps(
             {
@@ -57,6 +68,9 @@ def main() -> None:
                 "streamed_finish": finish,
                 "structured": structured.choices[0].message.content,
                 "parsed": parsed.choices[0].message.parsed.colours,
+                "call": {"name": call.function.name, "arguments": call.function.arguments},
+                "call_finish": called.choices[0].finish_reason,
+                "streamed_call": streamed_call,
             }
         )
     )

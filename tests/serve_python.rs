@@ -1,6 +1,8 @@
 //! The official `openai` Python client talking to `sift serve`, whole and streamed: both give the
 //! greedy reply of `sift run --chat`, and a reply held to a JSON Schema through `response_format`
-//! (or the client's `parse` with a Pydantic model) gives `sift run --chat --json-schema`'s. The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a
+//! (or the client's `parse` with a Pydantic model) gives `sift run --chat --json-schema`'s; a
+//! required tool call, whole and streamed, calls the tool with arguments valid under its schema.
+//! The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a
 //! virtual environment with `openai` in it), else `python3`; without the package the test says
 //! it is skipped, except under CI, where it fails.
 
@@ -54,6 +56,12 @@ fn the_openai_python_client_gets_the_greedy_reply_whole_and_streamed() {
     assert_eq!(got["structured"], structured["text"]);
     // Pydantic's schema for the same shape (titles aside) gives the same greedy reply, parsed.
     assert_eq!(got["parsed"], colours["colours"], "{got}");
+    assert_eq!(got["call_finish"], "tool_calls", "{got}");
+    assert_eq!(got["call"]["name"], "pick_colours", "{got}");
+    assert_eq!(got["streamed_call"], got["call"], "{got}");
+    let arguments: Value = serde_json::from_str(got["call"]["arguments"].as_str().unwrap()).unwrap();
+    let picked = arguments["colours"].as_array().unwrap_or_else(|| panic!("{got}"));
+    assert!(picked.len() <= 3 && picked.iter().all(|c| c.as_str().is_some_and(|c| c.len() <= 10)), "{got}");
     let finish = if reference["stop"] == "token_limit" { "length" } else { "stop" };
     assert_eq!((got["whole_finish"].as_str(), got["streamed_finish"].as_str()), (Some(finish), Some(finish)));
 }

@@ -219,7 +219,7 @@ fn run_and_chat_follow_a_schema_or_a_grammar_and_refuse_bad_ones() {
 }
 
 #[test]
-fn serve_holds_replies_to_response_format_and_refuses_a_demanded_tool_call() {
+fn serve_holds_replies_to_response_format() {
     let server = Server::start(&["--temp", "1.2", "--top-k", "0", "--seed", "3"]);
     let ask = |format: Value, stream: bool| {
         json!({
@@ -261,23 +261,145 @@ fn serve_holds_replies_to_response_format_and_refuses_a_demanded_tool_call() {
     let (status, body) = server.post("/v1/chat/completions", &ask(json!({ "type": "yaml" }), false));
     assert_eq!(status, 400, "{body}");
 
-    // A tool call demanded is refused, since none can be made; "auto" gets text.
-    let tools = json!([{ "type": "function", "function": { "name": "f", "parameters": { "type": "object" } } }]);
-    for choice in [json!("required"), json!({ "type": "function", "function": { "name": "f" } })] {
-        let mut request = ask(json!({ "type": "text" }), false);
-        request["tools"] = tools.clone();
-        request["tool_choice"] = choice;
-        let (status, body) = server.post("/v1/chat/completions", &request);
-        assert_eq!(status, 400, "{body}");
-        assert!(body["error"]["message"].as_str().unwrap().contains("sift does not call tools"), "{body}");
-    }
-    let mut request = ask(json!({ "type": "text" }), false);
-    request["tools"] = tools;
-    request["tool_choice"] = json!("auto");
-    request["max_tokens"] = json!(4);
-    assert_eq!(server.post("/v1/chat/completions", &request).0, 200);
-
     // The server is fine after a refused request, and plain text is still plain.
     let (status, body) = server.post("/v1/chat/completions", &ask(json!({ "type": "text" }), false));
     assert_eq!(status, 200, "{body}");
+}
+
+/// The calls of a chat completion's message (name, arguments), or of a stream's deltas.
+fn calls_of(message: &Value) -> Vec<(String, String)> {
+    let calls = message["tool_calls"].as_array().map_or(&[][..], Vec::as_slice);
+    calls
+        .iter()
+        .map(|c| (c["function"]["name"].as_str().unwrap().into(), c["function"]["arguments"].as_str().unwrap().into()))
+        .collect()
+}
+
+/// Tool calls under hot sampling: a required call is one object whose every call names a tool
+/// and whose arguments pass the tool's validator; a named choice calls that tool; with `auto` a
+/// reply is calls or text that does not open with `{`; a stream carries the same calls; `none`
+/// offers nothing; a conversation goes on after the call with its result; bad tools are 400s.
+#[test]
+fn serve_calls_tools_within_their_schemas() {
+    let server = Server::start(&["--temp", "1.2", "--top-k", "0"]);
+    let weather = json!({ "type": "object", "properties": { "city": { "enum": ["Oslo", "Rome"] } }, "required": ["city"], "additionalProperties": false });
+    let tools = json!([
+        { "type": "function", "function": { "name": "add_person", "description": "Adds a person", "parameters": person_schema() } },
+        { "type": "function", "function": { "name": "weather", "parameters": weather } },
+    ]);
+    let check_call = |(name, arguments): &(String, String)| match name.as_str() {
+        "add_person" => check_person(arguments),
+        "weather" => match serde_json::from_str::<Value>(arguments) {
+            Ok(v) if v == json!({ "city": "Oslo" }) || v == json!({ "city": "Rome" }) => Ok(()),
+            _ => Err(format!("weather arguments {arguments:?}")),
+        },
+        other => Err(format!("no tool {other:?}")),
+    };
+    let ask = |choice: Value, seed: u64, parallel: bool| {
+        json!({
+            "messages": [{ "role": "user", "content": "Add a person named Ada, aged 36." }],
+            "max_tokens": 300,
+            "seed": seed,
+            "tools": tools,
+            "tool_choice": choice,
+            "parallel_tool_calls": parallel,
+        })
+    };
+    let named = json!({ "type": "function", "function": { "name": "weather" } });
+    for seed in 0..4 {
+        for (choice, parallel) in [(json!("required"), false), (named.clone(), false), (json!("required"), true)] {
+            let (status, body) = server.post("/v1/chat/completions", &ask(choice.clone(), seed, parallel));
+            assert_eq!(status, 200, "{body}");
+            let choice_made = &body["choices"][0];
+            if choice_made["finish_reason"] == "length" {
+                // Parallel calls may go on to the token limit: text, the object unfinished.
+                assert!(parallel, "{body}");
+                assert!(
+                    choice_made["message"]["content"].as_str().unwrap().starts_with("{\"tool_calls\":[{"),
+                    "{body}"
+                );
+                continue;
+            }
+            assert_eq!(choice_made["finish_reason"], "tool_calls", "{body}");
+            assert!(choice_made["message"]["content"].is_null(), "{body}");
+            let calls = calls_of(&choice_made["message"]);
+            assert!(!calls.is_empty() && (parallel || calls.len() == 1), "{body}");
+            for call in &calls {
+                check_call(call).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+                if choice == named {
+                    assert_eq!(call.0, "weather");
+                }
+            }
+            let ids: Vec<&str> = choice_made["message"]["tool_calls"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["id"].as_str().unwrap())
+                .collect();
+            assert!(ids.iter().enumerate().all(|(i, id)| !ids[..i].contains(id)), "{ids:?}");
+        }
+        let (status, body) = server.post("/v1/chat/completions", &ask(json!("auto"), seed, true));
+        assert_eq!(status, 200, "{body}");
+        let message = &body["choices"][0]["message"];
+        match body["choices"][0]["finish_reason"].as_str().unwrap() {
+            "tool_calls" => calls_of(message).iter().try_for_each(check_call).unwrap(),
+            _ => assert!(!message["content"].as_str().unwrap().starts_with('{'), "{body}"),
+        }
+    }
+
+    // Streamed, the same calls, in one chunk, and the same finish.
+    let (_, whole) = server.post("/v1/chat/completions", &ask(json!("required"), 7, false));
+    let mut request = ask(json!("required"), 7, false);
+    request["stream"] = json!(true);
+    let chunks = server.stream("/v1/chat/completions", &request).collect();
+    let deltas: Vec<&Value> = chunks.iter().filter_map(|c| c["choices"].get(0)).collect();
+    let streamed: Vec<(String, String)> = deltas.iter().flat_map(|d| calls_of(&d["delta"])).collect();
+    assert_eq!(streamed, calls_of(&whole["choices"][0]["message"]));
+    assert_eq!(streamed_text(&chunks), "");
+    assert_eq!(deltas.last().unwrap()["finish_reason"], "tool_calls");
+
+    // "none": no tools offered, a reply in text.
+    let (status, body) = server.post("/v1/chat/completions", &ask(json!("none"), 1, true));
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body["choices"][0]["message"]["content"].is_string()
+            && body["choices"][0]["message"].get("tool_calls").is_none(),
+        "{body}"
+    );
+
+    // The call and its result go back into the conversation, which goes on.
+    let mut request = ask(json!("auto"), 2, true);
+    let call = whole["choices"][0]["message"].clone();
+    let id = call["tool_calls"][0]["id"].clone();
+    request["messages"]
+        .as_array_mut()
+        .unwrap()
+        .extend([call, json!({ "role": "tool", "tool_call_id": id, "content": "done" })]);
+    let (status, body) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{body}");
+    assert!(body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{body}");
+
+    for (field, value, needle) in [
+        ("tool_choice", json!({ "type": "function", "function": { "name": "nope" } }), "\"nope\""),
+        ("tool_choice", json!("sometimes"), "\"sometimes\""),
+        ("response_format", json!({ "type": "json_object" }), "cannot both"),
+        ("tools", json!([{ "type": "function", "function": { "name": "two words" } }]), "\"two words\""),
+        ("tools", json!([{ "type": "retrieval", "function": { "name": "f" } }]), "\"retrieval\""),
+        (
+            "tools",
+            json!([{ "type": "function", "function": { "name": "f", "parameters": { "type": "strin" } } }]),
+            "tools: ",
+        ),
+        (
+            "messages",
+            json!([{ "role": "assistant", "tool_calls": [{ "id": "x", "type": "function", "function": { "name": "f", "arguments": "{" } }] }]),
+            "arguments of f",
+        ),
+    ] {
+        let mut request = ask(json!("required"), 0, true);
+        request[field] = value;
+        let (status, body) = server.post("/v1/chat/completions", &request);
+        assert_eq!(status, 400, "{field}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains(needle), "{field}: {body}");
+    }
 }

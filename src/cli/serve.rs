@@ -101,7 +101,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         queue: args.queue,
         max_body: args.max_body,
         origins,
-        defaults: Params { sampling, max_tokens: args.n_predict, stop: Vec::new(), top_logprobs: None, format },
+        defaults: Params {
+            sampling,
+            max_tokens: args.n_predict,
+            stop: Vec::new(),
+            top_logprobs: None,
+            format,
+            format_field: "response_format",
+        },
         cache_ram: args.cache_ram << 20,
     };
     // The first line on stdout, once connections are taken: scripts read the port from it.

@@ -14,6 +14,7 @@ use crate::generate::StopReason;
 use crate::sample::{clock_seed, SamplingParams};
 use crate::structured::Format;
 use crate::tokenizer::Tokenizer;
+use crate::tools::{calls_text, results_text, Tool, ToolCall, ToolChoice, ToolResult, Toolbox};
 
 use super::error::ApiError;
 
@@ -29,22 +30,119 @@ pub struct ChatRequest {
     /// How many of the most likely tokens each position lists (with `logprobs`).
     #[serde(default)]
     pub top_logprobs: Option<usize>,
-    /// `"none"`, `"auto"`, `"required"` or a named function: sift calls no tools, so only the
-    /// first two are served (a reply in text is what `"auto"` allows).
+    /// Functions the model may call.
+    #[serde(default)]
+    pub tools: Vec<WireTool>,
+    /// `"none"` (the tools are not offered), `"auto"` (the default with tools), `"required"` or
+    /// `{"type": "function", "function": {"name"}}`.
     pub tool_choice: Option<serde_json::Value>,
+    /// Whether one reply may call more than one tool (the default).
+    pub parallel_tool_calls: Option<bool>,
+}
+
+/// One of `tools`: `{"type": "function", "function": {"name", "description", "parameters"}}`.
+#[derive(Debug, Deserialize)]
+pub struct WireTool {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: WireFunction,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct WireFunction {
+    pub name: String,
+    pub description: Option<String>,
+    pub parameters: Option<serde_json::Value>,
 }
 
 impl ChatRequest {
-    /// Refuses a request that demands a tool call, which sift cannot make; `tools` themselves
-    /// are not read (the model does not see them), so with `"auto"` the reply is text.
-    pub fn check_tool_choice(&self) -> Result<(), ApiError> {
-        match &self.tool_choice {
-            None => Ok(()),
-            Some(serde_json::Value::String(choice)) if choice == "none" || choice == "auto" => Ok(()),
-            Some(choice) => Err(ApiError::invalid(format!(
-                "tool_choice {choice}: sift does not call tools; use \"auto\" or \"none\", or response_format for JSON"
-            ))),
+    /// The tools offered and what the model must do with them; none where no tools are given
+    /// or `tool_choice` is `"none"`.
+    pub fn toolbox(&self) -> Result<Option<Toolbox>, ApiError> {
+        use serde_json::Value;
+        let choice = match &self.tool_choice {
+            None if self.tools.is_empty() => return Ok(None),
+            None => ToolChoice::Auto,
+            Some(Value::String(choice)) => match choice.as_str() {
+                "none" => return Ok(None),
+                "auto" if self.tools.is_empty() => return Ok(None),
+                "auto" => ToolChoice::Auto,
+                "required" => ToolChoice::Required,
+                other => return Err(ApiError::invalid(format!("tool_choice {other:?} is not one sift knows"))),
+            },
+            Some(choice) => match choice.pointer("/function/name").and_then(Value::as_str) {
+                Some(name) if choice["type"] == "function" => ToolChoice::Function(name.to_string()),
+                _ => return Err(ApiError::invalid(format!("tool_choice {choice} is not one sift knows"))),
+            },
+        };
+        let tools = self
+            .tools
+            .iter()
+            .map(|tool| match tool.kind.as_str() {
+                "function" => Ok(Tool {
+                    name: tool.function.name.clone(),
+                    description: tool.function.description.clone(),
+                    parameters: tool.function.parameters.clone(),
+                }),
+                kind => Err(ApiError::invalid(format!("tools: type {kind:?} is not supported (only \"function\")"))),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let parallel = self.parallel_tool_calls.unwrap_or(true);
+        Toolbox::new(tools, choice, parallel).map(Some).map_err(|e| ApiError::invalid(format!("tools: {e}")))
+    }
+
+    /// The conversation as a chat template reads it. An assistant turn that called tools is
+    /// written as the model wrote the calls; the results that follow it (`tool` messages) become
+    /// one user turn, joined to a user turn next to them (templates that want turns to alternate
+    /// would refuse two).
+    pub fn conversation(&self) -> Result<Vec<Message>, ApiError> {
+        let mut messages: Vec<Message> = Vec::with_capacity(self.messages.len());
+        // Whether the last message brings tools' results.
+        let mut last_results = false;
+        let mut push = |message: Message, results: bool| {
+            match messages.last_mut() {
+                Some(last) if last.role == "user" && message.role == "user" && (results || last_results) => {
+                    last.content += "\n\n";
+                    last.content += &message.content;
+                }
+                _ => messages.push(message),
+            }
+            last_results = results;
+        };
+        let mut names = std::collections::HashMap::new();
+        let mut results = Vec::new();
+        for (i, wire) in self.messages.iter().enumerate() {
+            if wire.role == "tool" {
+                let called = wire.tool_call_id.as_ref().and_then(|id| names.get(id).cloned());
+                results.push(ToolResult { name: wire.name.clone().or(called), content: wire.to_text()? });
+                if self.messages.get(i + 1).is_none_or(|next| next.role != "tool") {
+                    push(Message::user(results_text(&std::mem::take(&mut results))), true);
+                }
+                continue;
+            }
+            let mut message = wire.to_message()?;
+            if let Some(calls) = &wire.tool_calls {
+                for call in calls.iter() {
+                    if let Some(id) = &call.id {
+                        names.insert(id.clone(), call.function.name.clone());
+                    }
+                }
+                let calls: Vec<ToolCall> = calls
+                    .iter()
+                    .map(|call| ToolCall {
+                        name: call.function.name.clone(),
+                        arguments: call.function.arguments.clone(),
+                    })
+                    .collect();
+                let text = calls_text(&calls).map_err(|e| ApiError::invalid(format!("messages: {e}")))?;
+                message.content = match message.content.is_empty() {
+                    true => text,
+                    false => format!("{}\n{text}", message.content),
+                };
+            }
+            push(message, false);
         }
+        Ok(messages)
     }
 }
 
@@ -108,7 +206,7 @@ pub struct JsonSchemaFormat {
 }
 
 impl ResponseFormat {
-    fn format(&self) -> Option<Format> {
+    pub fn format(&self) -> Option<Format> {
         match self {
             ResponseFormat::Text => None,
             ResponseFormat::JsonObject { schema } => {
@@ -148,6 +246,31 @@ pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
     pub content: Option<Content>,
+    /// An assistant turn's calls.
+    pub tool_calls: Option<Vec<WireToolCall>>,
+    /// A `tool` message's call, and the tool's name (llama.cpp's clients send it).
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
+}
+
+/// A call as the API writes it: `{"id", "type": "function", "function": {"name", "arguments"}}`,
+/// the arguments a JSON object in a string.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireToolCall {
+    pub id: Option<String>,
+    #[serde(rename = "type", default = "function")]
+    pub kind: String,
+    pub function: WireCall,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WireCall {
+    pub name: String,
+    pub arguments: String,
+}
+
+fn function() -> String {
+    "function".into()
 }
 
 #[derive(Debug, Deserialize)]
@@ -174,7 +297,12 @@ impl ChatMessage {
             role @ ("system" | "user" | "assistant") => role,
             other => return Err(ApiError::invalid(format!("messages: role {other:?} is not supported"))),
         };
-        let content = match &self.content {
+        Ok(Message { role: role.to_string(), content: self.to_text()? })
+    }
+
+    /// The content's text.
+    fn to_text(&self) -> Result<String, ApiError> {
+        Ok(match &self.content {
             None => String::new(),
             Some(Content::Text(text)) => text.clone(),
             Some(Content::Parts(parts)) => {
@@ -191,8 +319,7 @@ impl ChatMessage {
                 }
                 text
             }
-        };
-        Ok(Message { role: role.to_string(), content })
+        })
     }
 }
 
@@ -216,6 +343,8 @@ pub struct Params {
     pub top_logprobs: Option<usize>,
     /// What the reply must be (structured output), compiled by the worker.
     pub format: Option<Format>,
+    /// The request field the format comes from, for its errors: `response_format` or `tools`.
+    pub format_field: &'static str,
 }
 
 impl Options {
@@ -261,6 +390,7 @@ impl Options {
             stop,
             top_logprobs,
             format: self.response_format.as_ref().map_or_else(|| defaults.format.clone(), ResponseFormat::format),
+            format_field: "response_format",
         })
     }
 
@@ -386,7 +516,10 @@ impl TextLogprobs {
 #[derive(Debug, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// Null where the reply is calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<WireToolCall>>,
 }
 
 #[derive(Debug, Serialize)]
@@ -427,6 +560,17 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// A stream's calls, each whole in one chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<IndexedToolCall>>,
+}
+
+/// A call in a stream's chunk, with its place in the reply's list.
+#[derive(Debug, Serialize)]
+pub struct IndexedToolCall {
+    pub index: usize,
+    #[serde(flatten)]
+    pub call: WireToolCall,
 }
 
 #[derive(Debug, Serialize)]
@@ -454,4 +598,66 @@ pub struct ModelCard {
     pub owned_by: &'static str,
     /// The context size the server runs the model with.
     pub x_sift_n_ctx: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request(body: serde_json::Value) -> ChatRequest {
+        serde_json::from_value(body).unwrap()
+    }
+
+    #[test]
+    fn calls_and_results_become_turns_a_template_can_render() {
+        let arguments = r#"{"city": "Oslo"}"#;
+        let body = serde_json::json!({
+            "messages": [
+                { "role": "system", "content": "Be brief." },
+                { "role": "user", "content": "Weather in Oslo and Rome?" },
+                { "role": "assistant", "content": null, "tool_calls": [
+                    { "id": "a", "type": "function", "function": { "name": "weather", "arguments": arguments } },
+                    { "id": "b", "type": "function", "function": { "name": "weather", "arguments": "{}" } },
+                ] },
+                { "role": "tool", "tool_call_id": "a", "content": "rain" },
+                { "role": "tool", "tool_call_id": "b", "name": "forecast", "content": [{ "type": "text", "text": "sun" }] },
+                { "role": "user", "content": "Thanks." },
+                { "role": "assistant", "content": "You are welcome." },
+            ],
+        });
+        let calls =
+            r#"{"tool_calls":[{"name":"weather","arguments":{"city": "Oslo"}},{"name":"weather","arguments":{}}]}"#;
+        let results = r#"{"tool_results":[{"name":"weather","content":"rain"},{"name":"forecast","content":"sun"}]}"#;
+        assert_eq!(
+            request(body).conversation().unwrap(),
+            vec![
+                Message::system("Be brief."),
+                Message::user("Weather in Oslo and Rome?"),
+                Message::assistant(calls),
+                Message::user(format!("{results}\n\nThanks.")),
+                Message::assistant("You are welcome."),
+            ]
+        );
+    }
+
+    #[test]
+    fn tool_choice_decides_whether_and_how_tools_are_offered() {
+        let tools = serde_json::json!([{ "type": "function", "function": { "name": "f" } }]);
+        let with = |choice: serde_json::Value| {
+            let mut body = serde_json::json!({ "messages": [], "tools": tools });
+            if !choice.is_null() {
+                body["tool_choice"] = choice;
+            }
+            request(body).toolbox().map(|t| t.map(|t| t.choice().clone()))
+        };
+        assert_eq!(with(serde_json::Value::Null), Ok(Some(ToolChoice::Auto)));
+        assert_eq!(with("none".into()), Ok(None));
+        assert_eq!(with("required".into()), Ok(Some(ToolChoice::Required)));
+        let named = serde_json::json!({ "type": "function", "function": { "name": "f" } });
+        assert_eq!(with(named), Ok(Some(ToolChoice::Function("f".into()))));
+        assert!(with("always".into()).unwrap_err().message.contains("\"always\""));
+        let other = serde_json::json!({ "type": "function", "function": { "name": "g" } });
+        assert!(with(other).unwrap_err().message.contains("\"g\""));
+        assert!(request(serde_json::json!({ "messages": [] })).toolbox().unwrap().is_none());
+    }
 }

@@ -27,11 +27,13 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::api::{
     finish_reason, AssistantMessage, ChatChoice, ChatLogprobs, ChatRequest, ChunkChoice, Completion, CompletionRequest,
-    Delta, ModelCard, ModelList, Options, Params, SiftExtension, TextChoice, TextLogprobs, TokenLogprob, Usage,
+    Delta, IndexedToolCall, ModelCard, ModelList, Options, Params, SiftExtension, TextChoice, TextLogprobs,
+    TokenLogprob, Usage, WireCall, WireToolCall,
 };
 use super::error::ApiError;
 use super::worker::{Event, Finished, Prompt, Queue};
 use super::{Config, ServeError};
+use crate::tools::{with_instructions, Reply, ToolChoice, Toolbox};
 
 /// The chat page: one HTML file, its CSS and JS inline.
 const PAGE: &str = include_str!("page.html");
@@ -156,11 +158,19 @@ async fn chat_completions(State(server): State<Arc<Server>>, body: Result<Bytes,
         if request.messages.is_empty() {
             return Err(ApiError::invalid("messages: at least one message is needed"));
         }
-        request.check_tool_choice()?;
-        let messages = request.messages.iter().map(|m| m.to_message()).collect::<Result<Vec<_>, _>>()?;
+        let toolbox = request.toolbox()?;
+        let mut messages = request.conversation()?;
         let top = request.logprobs.then(|| request.top_logprobs.unwrap_or(0));
-        let params = request.options.params(&server.config.defaults, top, server.n_vocab)?;
-        complete::<Chat>(&server, Prompt::Chat(messages), params, &request.options).await
+        let mut params = request.options.params(&server.config.defaults, top, server.n_vocab)?;
+        if let Some(toolbox) = &toolbox {
+            if request.options.response_format.as_ref().is_some_and(|f| f.format().is_some()) {
+                return Err(ApiError::invalid("tools and response_format cannot both shape a reply: send one"));
+            }
+            messages = with_instructions(messages, toolbox);
+            params.format = Some(toolbox.format());
+            params.format_field = "tools";
+        }
+        complete::<Chat>(&server, Prompt::Chat(messages), params, &request.options, toolbox).await
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
@@ -170,7 +180,7 @@ async fn completions(State(server): State<Arc<Server>>, body: Result<Bytes, Byte
         let request: CompletionRequest = parse(body)?;
         let prompt = request.prompt.into_text()?;
         let params = request.options.params(&server.config.defaults, request.logprobs, server.n_vocab)?;
-        complete::<Text>(&server, Prompt::Text(prompt), params, &request.options).await
+        complete::<Text>(&server, Prompt::Text(prompt), params, &request.options, None).await
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
@@ -181,6 +191,7 @@ async fn complete<K: Kind>(
     prompt: Prompt,
     params: Params,
     options: &Options,
+    toolbox: Option<Toolbox>,
 ) -> Result<Response, ApiError> {
     let logprobs = params.top_logprobs.is_some();
     let mut events = server.queue.submit(prompt, params)?;
@@ -192,6 +203,7 @@ async fn complete<K: Kind>(
         usage,
         logprobs,
         include_usage: options.include_usage(),
+        toolbox,
     };
     if options.stream {
         return Ok(stream::<K>(answer, events));
@@ -257,9 +269,39 @@ struct Answer {
     logprobs: bool,
     /// Whether a stream ends with a chunk of usage.
     include_usage: bool,
+    /// The tools the reply may call.
+    toolbox: Option<Toolbox>,
 }
 
 impl Answer {
+    /// The reply's calls, if the model called tools, with their ids.
+    fn calls(&self, text: &str) -> Option<Vec<WireToolCall>> {
+        match self.toolbox.as_ref()?.read(text) {
+            Reply::Text(_) => None,
+            Reply::Calls(calls) => Some(
+                calls
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, call)| WireToolCall {
+                        id: Some(format!("call{}-{i}", self.id.trim_start_matches(Chat::ID_PREFIX))),
+                        kind: "function".into(),
+                        function: WireCall { name: call.name, arguments: call.arguments },
+                    })
+                    .collect(),
+            ),
+        }
+    }
+
+    /// Whether the reply's text waits for its end before it is sent: where its first byte may
+    /// open a call.
+    fn holds(&self, first: &str) -> bool {
+        match self.toolbox.as_ref().map(Toolbox::choice) {
+            None => false,
+            Some(ToolChoice::Auto) => first.starts_with('{'),
+            Some(_) => true,
+        }
+    }
+
     fn completion<C>(&self, object: &'static str, choices: Vec<C>, usage: Option<Usage>) -> Completion<C> {
         Completion { id: self.id.clone(), object, created: self.created, model: self.model.clone(), choices, usage }
     }
@@ -278,7 +320,11 @@ trait Kind {
     fn opening() -> Option<Self::Chunk>;
     /// A piece of text, with the log-probabilities of the tokens it completes.
     fn text(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> Self::Chunk;
-    fn last(finished: &Finished) -> Self::Chunk;
+    /// A reply held back whole ([`Answer::holds`]): its calls, or else its text; and whether it
+    /// called tools.
+    fn held(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> (Self::Chunk, bool);
+    /// The chunk that closes a stream; `called`: the reply was calls.
+    fn last(finished: &Finished, called: bool) -> Self::Chunk;
 }
 
 /// `/v1/chat/completions`.
@@ -292,38 +338,63 @@ impl Kind for Chat {
     const CHUNK_OBJECT: &'static str = "chat.completion.chunk";
 
     fn whole(answer: &Answer, Gathered { text, tokens, finished }: Gathered) -> ChatChoice {
+        let calls = answer.calls(&text);
         ChatChoice {
             index: 0,
-            message: AssistantMessage { role: "assistant", content: text },
+            finish_reason: chat_finish(&finished, calls.is_some()),
+            message: match calls {
+                Some(calls) => AssistantMessage { role: "assistant", content: None, tool_calls: Some(calls) },
+                None => AssistantMessage { role: "assistant", content: Some(text), tool_calls: None },
+            },
             logprobs: answer.logprobs.then_some(ChatLogprobs { content: tokens }),
-            finish_reason: finish_reason(finished.stop),
             x_sift: extension(&finished),
         }
     }
 
     fn opening() -> Option<ChunkChoice> {
-        let delta = Delta { role: Some("assistant"), content: Some(String::new()) };
+        let delta = Delta { role: Some("assistant"), content: Some(String::new()), tool_calls: None };
         Some(ChunkChoice { index: 0, delta, logprobs: None, finish_reason: None, x_sift: None })
     }
 
     fn text(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> ChunkChoice {
         ChunkChoice {
             index: 0,
-            delta: Delta { role: None, content: Some(text) },
+            delta: Delta { role: None, content: Some(text), tool_calls: None },
             logprobs: answer.logprobs.then_some(ChatLogprobs { content: tokens }),
             finish_reason: None,
             x_sift: None,
         }
     }
 
-    fn last(finished: &Finished) -> ChunkChoice {
+    fn held(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> (ChunkChoice, bool) {
+        let Some(calls) = answer.calls(&text) else {
+            return (Self::text(answer, text, tokens), false);
+        };
+        let calls = calls.into_iter().enumerate().map(|(index, call)| IndexedToolCall { index, call }).collect();
+        let chunk = ChunkChoice {
+            delta: Delta { role: None, content: None, tool_calls: Some(calls) },
+            ..Self::text(answer, String::new(), tokens)
+        };
+        (chunk, true)
+    }
+
+    fn last(finished: &Finished, called: bool) -> ChunkChoice {
         ChunkChoice {
             index: 0,
             delta: Delta::default(),
             logprobs: None,
-            finish_reason: Some(finish_reason(finished.stop)),
+            finish_reason: Some(chat_finish(finished, called)),
             x_sift: Some(extension(finished)),
         }
+    }
+}
+
+/// A chat reply's `finish_reason`: `tool_calls` where it called tools.
+fn chat_finish(finished: &Finished, called: bool) -> &'static str {
+    if called {
+        "tool_calls"
+    } else {
+        finish_reason(finished.stop)
     }
 }
 
@@ -358,7 +429,11 @@ impl Kind for Text {
         TextChoice { index: 0, text, logprobs, finish_reason: None, x_sift: None }
     }
 
-    fn last(finished: &Finished) -> TextChoice {
+    fn held(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> (TextChoice, bool) {
+        (Self::text(answer, text, tokens), false)
+    }
+
+    fn last(finished: &Finished, _called: bool) -> TextChoice {
         TextChoice {
             index: 0,
             text: String::new(),
@@ -384,6 +459,8 @@ fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Resp
             }
         }
         let mut tokens = Vec::new();
+        // A reply held back whole, where it may be calls; `None` until its first text comes.
+        let mut held: Option<String> = None;
         // A client that leaves closes the body: this task ends, and with it the worker's
         // channel, at once, even while no event comes (a long prompt's prefill).
         while let Some(event) = tokio::select! {
@@ -396,12 +473,31 @@ fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Resp
                     tokens.push(token);
                     true
                 }
-                Event::Text(text) => send(chunk(vec![K::text(&answer, text, std::mem::take(&mut tokens))], None)).await,
+                Event::Text(text) => match &mut held {
+                    Some(held) => {
+                        *held += &text;
+                        true
+                    }
+                    // (An empty piece says nothing of the reply's first byte.)
+                    None if text.is_empty() => true,
+                    None if answer.holds(&text) => {
+                        held = Some(text);
+                        true
+                    }
+                    None => send(chunk(vec![K::text(&answer, text, std::mem::take(&mut tokens))], None)).await,
+                },
                 Event::Finished(finished) => {
-                    let last = chunk(vec![K::last(&finished)], None);
+                    let (reply, called) = match held.take() {
+                        Some(text) => {
+                            let (reply, called) = K::held(&answer, text, std::mem::take(&mut tokens));
+                            (Some(chunk(vec![reply], None)), called)
+                        }
+                        None => (None, false),
+                    };
+                    let last = chunk(vec![K::last(&finished, called)], None);
                     let usage = completed(answer.usage, &finished);
                     let usage = answer.include_usage.then(|| chunk(Vec::new(), Some(usage)));
-                    for data in [Some(last), usage, Some("[DONE]".to_string())].into_iter().flatten() {
+                    for data in [reply, Some(last), usage, Some("[DONE]".to_string())].into_iter().flatten() {
                         if !send(data).await {
                             break;
                         }

@@ -125,15 +125,16 @@ impl<'m> Worker<'m> {
         Self { conversation, template, parked: VecDeque::new(), cache_ram, grammars }
     }
 
-    /// `format` compiled for the model's vocabulary; one that cannot be is the request's fault.
-    fn grammar(&mut self, format: &Format) -> Result<Grammar, ApiError> {
+    /// `format` compiled for the model's vocabulary; one that cannot be is the fault of the
+    /// request's `field`.
+    fn grammar(&mut self, format: &Format, field: &str) -> Result<Grammar, ApiError> {
         let compiler = match &mut self.grammars {
             Some(compiler) => compiler,
             grammars => grammars.insert(
                 GrammarCompiler::new(self.conversation.tokenizer()).map_err(|e| ApiError::internal(e.to_string()))?,
             ),
         };
-        compiler.compile(format).map_err(|e| ApiError::invalid(format!("response_format: {e}")))
+        compiler.compile(format).map_err(|e| ApiError::invalid(format!("{field}: {e}")))
     }
 
     /// Makes the cache the one that saves `ids` the most prefilling: the current one, or a parked
@@ -186,7 +187,7 @@ impl<'m> Worker<'m> {
             return Err(ApiError::invalid("the prompt is empty"));
         }
         let params = &job.params;
-        let grammar = params.format.as_ref().map(|format| self.grammar(format)).transpose()?;
+        let grammar = params.format.as_ref().map(|format| self.grammar(format, params.format_field)).transpose()?;
         self.choose_cache(&ids);
         self.conversation.set_sampling(params.sampling.clone());
         let cached_tokens = self.conversation.reusable(&ids);
