@@ -199,18 +199,18 @@ fn attend_with(kernels: &Kernels, batch: &AttentionBatch, cache: &PagedLayer, ow
                 with_taken(&GROUP, |scratch| group(i).attend(kernels, scratch, out, 2 * threads));
             }
         } else {
-            // Tiles enough for every thread.
+            // Tiles enough for every thread; each KV head of a tile is a task of its own, so
+            // that a decoding step's one token keeps every thread busy.
             let tile_tokens = TILE_TOKENS.min(own.n_tokens.div_ceil(threads)).max(1);
-            let tile_groups = tile_tokens * n_kv_head;
-            out.par_chunks_mut(tile_groups * group_len).enumerate().for_each(|(tile, out)| {
-                let first = tile * tile_groups;
-                with_taken(&TILE, |scratch| {
-                    for kv_head in 0..n_kv_head {
-                        let members = out.chunks_mut(group_len).enumerate().skip(kv_head).step_by(n_kv_head);
-                        let groups: Vec<_> = members.map(|(i, out)| (group(first + i), out)).collect();
-                        attend_tile(kernels, groups, scratch);
-                    }
-                });
+            let mut tasks: Vec<Vec<(usize, &mut [f32])>> = Vec::new();
+            tasks.resize_with(own.n_tokens.div_ceil(tile_tokens) * n_kv_head, Vec::new);
+            for (i, out) in out.chunks_mut(group_len).enumerate() {
+                let (t, kv_head) = (i / n_kv_head, i % n_kv_head);
+                tasks[t / tile_tokens * n_kv_head + kv_head].push((i, out));
+            }
+            tasks.into_par_iter().for_each(|members| {
+                let groups: Vec<_> = members.into_iter().map(|(i, out)| (group(i), out)).collect();
+                with_taken(&TILE, |scratch| attend_tile(kernels, groups, scratch));
             });
         }
     });
