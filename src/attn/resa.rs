@@ -24,6 +24,7 @@
 use std::ops::Range;
 
 use half::f16;
+use rayon::prelude::*;
 use simd::Kernels;
 
 use super::dense::Dense;
@@ -81,6 +82,13 @@ pub struct Resa {
     params: Params,
     layers: Vec<LayerBlocks>,
     key: Vec<f32>,
+    /// One per KV head: their groups attend in parallel.
+    groups: Vec<GroupScratch>,
+}
+
+/// The buffers of one KV head's group.
+#[derive(Default)]
+struct GroupScratch {
     query: Vec<f32>,
     mean_query: Vec<f32>,
     halves: Vec<f16>,
@@ -136,11 +144,20 @@ impl Resa {
         }
         blocks.described = blocks.described.max(complete);
     }
+}
 
+impl GroupScratch {
     /// Fills `chosen` with the blocks KV head `kv_head` reads, in order: the
     /// newest, and the budget's of the largest scores among the others.
     /// Returns the blocks scored.
-    fn choose_blocks(&mut self, call: &LayerCall, kv_head: usize, visible: &Range<usize>) -> usize {
+    fn choose_blocks(
+        &mut self,
+        params: Params,
+        blocks: &LayerBlocks,
+        call: &LayerCall,
+        kv_head: usize,
+        visible: &Range<usize>,
+    ) -> usize {
         let batch = call.batch;
         let (g, dim) = (batch.n_gqa, batch.head_dim_k);
         let queries = &batch.queries[kv_head * g * dim..][..g * dim];
@@ -151,7 +168,7 @@ impl Resa {
         }
         let (first, newest) = (visible.start / BLOCK, (visible.end - 1) / BLOCK);
         let n_kv = batch.n_kv_head();
-        let bounds = &self.layers[call.layer].bounds;
+        let bounds = &blocks.bounds;
         self.scores.clear();
         for block in first..newest {
             let (min, max) = bounds[(block * n_kv + kv_head) * 2 * dim..][..2 * dim].split_at(dim);
@@ -159,7 +176,7 @@ impl Resa {
             self.scores.push((score.sum(), block));
         }
         self.chosen.clear();
-        read::choose_largest(&mut self.scores, self.params.budget(newest - first + 1), &mut self.chosen);
+        read::choose_largest(&mut self.scores, params.budget(newest - first + 1), &mut self.chosen);
         self.chosen.push(newest);
         self.chosen.sort_unstable();
         self.scores.len()
@@ -170,6 +187,7 @@ impl Resa {
     fn attend_group(
         &mut self,
         kernels: &Kernels,
+        (params, blocks): (Params, &LayerBlocks),
         call: &LayerCall,
         kv_head: usize,
         out: &mut [f32],
@@ -177,7 +195,7 @@ impl Resa {
         let batch = call.batch;
         let (g, dim_k) = (batch.n_gqa, batch.head_dim_k);
         let visible = call.visible(0);
-        let scored = self.choose_blocks(call, kv_head, &visible);
+        let scored = self.choose_blocks(params, blocks, call, kv_head, &visible);
         let clip = |b: usize| (b * BLOCK).max(visible.start)..((b + 1) * BLOCK).min(visible.end);
         self.ranges.clear();
         self.ranges.extend(read::join(self.chosen.iter().map(|&b| clip(b))));
@@ -234,10 +252,12 @@ impl AttentionPolicy for Resa {
         let visible = call.visible(0);
         self.describe(call, &visible);
         let (kernels, group_out) = (simd::kernels(), call.batch.n_gqa * call.batch.head_dim_v);
-        for (kv_head, out) in out.chunks_exact_mut(group_out).enumerate() {
-            let group = self.attend_group(kernels, call, kv_head, out);
-            records.extend(group);
-        }
+        self.groups.resize_with(call.batch.n_kv_head(), GroupScratch::default);
+        let shared = (self.params, &self.layers[call.layer]);
+        let groups = self.groups.par_iter_mut().zip(out.par_chunks_exact_mut(group_out)).enumerate();
+        let records_by_group: Vec<Vec<HeadRecord>> =
+            groups.map(|(kv_head, (group, out))| group.attend_group(kernels, shared, call, kv_head, out)).collect();
+        records.extend(records_by_group.into_iter().flatten());
     }
 
     fn forget_from(&mut self, pos: usize) {
