@@ -121,19 +121,15 @@ impl ChatRequest {
                 continue;
             }
             let mut message = wire.to_message()?;
-            if let Some(calls) = &wire.tool_calls {
-                for call in calls.iter() {
+            if let Some(wire_calls) = &wire.tool_calls {
+                let mut calls = Vec::with_capacity(wire_calls.len());
+                for call in wire_calls {
+                    let WireCall { name, arguments } = call.function.clone();
                     if let Some(id) = &call.id {
-                        names.insert(id.clone(), call.function.name.clone());
+                        names.insert(id.clone(), name.clone());
                     }
+                    calls.push(ToolCall { name, arguments });
                 }
-                let calls: Vec<ToolCall> = calls
-                    .iter()
-                    .map(|call| ToolCall {
-                        name: call.function.name.clone(),
-                        arguments: call.function.arguments.clone(),
-                    })
-                    .collect();
                 let text = calls_text(&calls).map_err(|e| ApiError::invalid(format!("messages: {e}")))?;
                 message.content = match message.content.is_empty() {
                     true => text,
