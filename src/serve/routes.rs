@@ -2,8 +2,10 @@
 //!
 //! A streamed response is a task that turns the worker's [`Event`]s into server-sent events: a
 //! first chunk with the assistant's role, one chunk per piece of text, a last chunk with the
-//! finish reason (and sift's extension), the usage when asked for, and `data: [DONE]`. When the
-//! client goes away the task's sends fail, it ends, and its end of the worker's channel closes.
+//! finish reason (and sift's extension), the usage when asked for, and `data: [DONE]`. A reply
+//! that may be [tool calls](crate::tools) is held back until it ends, and its calls go in one
+//! chunk (or its text, if it turned out to be text). When the client goes away the task's sends
+//! fail, it ends, and its end of the worker's channel closes.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
