@@ -10,7 +10,8 @@
 //! [`tokenizer`] maps text to ids and back; [`generate`] runs the loop of the two, and [`chat`]
 //! renders conversations for it;
 //! [`conversation`] keeps a session's cache across the requests of a conversation, for the
-//! command line and for [`serve`], the HTTP server; [`audit`] records a generation token by token.
+//! command line and for [`serve`], the HTTP server, which also [`embed`]s texts; [`audit`] records a
+//! generation token by token.
 
 // The docs are read with private items (`cargo doc --document-private-items`):
 // a module's notes name its private helpers.
@@ -20,6 +21,7 @@ pub mod attn;
 pub mod audit;
 pub mod chat;
 pub mod conversation;
+pub mod embed;
 pub mod engine;
 pub mod generate;
 pub mod gguf;

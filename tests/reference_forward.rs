@@ -61,6 +61,8 @@ struct Spec {
     ffn_type: Option<WeightType>,
     /// Run with `sift::matmul::set_f32_activations`, as `--f32-activations` does.
     f32_activations: bool,
+    /// `pooling_type`, as embedding models carry it.
+    pooling_type: Option<usize>,
 }
 
 #[derive(Clone, Copy)]
@@ -91,6 +93,7 @@ const LLAMA: Spec = Spec {
     long_rope: None,
     ffn_type: None,
     f32_activations: false,
+    pooling_type: None,
 };
 
 impl Spec {
@@ -277,6 +280,9 @@ fn write_model(spec: &Spec, seed: u64) -> (PathBuf, Weights) {
         f32_key(&mut w, "attn_logit_softcapping", attention);
         f32_key(&mut w, "final_logit_softcapping", output);
     }
+    if let Some(pooling) = spec.pooling_type {
+        u32_key(&mut w, "pooling_type", pooling);
+    }
     if let Some(long) = spec.long_rope {
         u32_key(&mut w, "rope.scaling.original_context_length", long.original_context);
         f32_key(&mut w, "rope.scaling.attn_factor", long.attn_factor);
@@ -403,6 +409,18 @@ fn gelu_tanh(x: f64) -> f64 {
 
 /// Logits after every position of `tokens`, for a context of [`N_CTX`].
 fn reference_logits(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
+    let head = if spec.tied { &w["token_embd.weight"] } else { &w["output.weight"] };
+    reference_states(spec, w, tokens)
+        .iter()
+        .map(|x| {
+            let logits = matvec(head, x);
+            logits.into_iter().map(|z| spec.softcaps.map_or(z, |(_, cap)| softcap(z, cap))).collect()
+        })
+        .collect()
+}
+
+/// The final-normed hidden state after every position of `tokens`: what the output head reads.
+fn reference_states(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
     let gemma = spec.gemma();
     let (e, hd) = (spec.n_embd, spec.head_dim);
     let get = |n: String| w.get(&n).unwrap_or_else(|| panic!("{n}")).as_slice();
@@ -505,13 +523,7 @@ fn reference_logits(spec: &Spec, w: &Weights, tokens: &[u32]) -> Vec<Vec<f64>> {
             x.iter_mut().zip(&f).for_each(|(a, b)| *a += b);
         }
     }
-    let head = if spec.tied { &w["token_embd.weight"] } else { &w["output.weight"] };
-    xs.iter()
-        .map(|x| {
-            let logits = matvec(head, &rms_norm(x, &w["output_norm.weight"], spec.eps));
-            logits.into_iter().map(|z| spec.softcaps.map_or(z, |(_, cap)| softcap(z, cap))).collect()
-        })
-        .collect()
+    xs.iter().map(|x| rms_norm(x, &w["output_norm.weight"], spec.eps)).collect()
 }
 
 // ---- the comparison ----------------------------------------------------
@@ -638,4 +650,39 @@ fn llama_with_q2_k_and_q3_k_ffn_weights_matches_f64_reference() {
             check(Spec { n_embd: 256, n_ff: 256, ffn_type: Some(ty), f32_activations, ..LLAMA }, seed);
         }
     }
+}
+
+/// Embeddings: the reference's final-normed states, averaged (no `pooling_type`, or 1) or the
+/// last one's (3), scaled to unit length; a pooling sift does not do (2, the first token's) is
+/// refused by name.
+#[test]
+fn embeddings_are_the_reference_states_pooled() {
+    use sift::embed::{embed, Pooling};
+    // Past one prefill batch of 512: the pooling goes on across batches.
+    let tokens: Vec<u32> = (0..530).map(|i| (i * 5 + 2) % LLAMA.n_vocab as u32).collect();
+    for (pooling_type, pooling, seed) in
+        [(None, Pooling::Mean, 11), (Some(1), Pooling::Mean, 12), (Some(3), Pooling::Last, 13)]
+    {
+        let spec = Spec { pooling_type, ..LLAMA };
+        let (path, w) = write_model(&spec, seed);
+        let states = reference_states(&spec, &w, &tokens);
+        let mut want = match pooling {
+            Pooling::Mean => (0..spec.n_embd).map(|c| states.iter().map(|x| x[c]).sum::<f64>()).collect(),
+            Pooling::Last => states[tokens.len() - 1].clone(),
+        };
+        let norm = want.iter().map(|x| x * x).sum::<f64>().sqrt();
+        want.iter_mut().for_each(|x| *x /= norm);
+        let file = GgufFile::open(&path).unwrap();
+        assert_eq!(Pooling::for_model(&file, spec.arch), Ok(pooling));
+        let got = embed(&Model::load(&file).unwrap(), &tokens, pooling).unwrap();
+        let err = want.iter().zip(&got).fold(0.0f64, |m, (a, &b)| m.max((a - f64::from(b)).abs()));
+        assert!(err < spec.tolerance(), "{pooling:?}: {err:.2e} from the reference");
+        // The other pooling is another vector: the check can tell them apart.
+        let other = if pooling == Pooling::Mean { Pooling::Last } else { Pooling::Mean };
+        let other = embed(&Model::load(&file).unwrap(), &tokens, other).unwrap();
+        assert!(want.iter().zip(&other).any(|(a, &b)| (a - f64::from(b)).abs() > 100.0 * spec.tolerance()));
+    }
+    let (path, _) = write_model(&Spec { pooling_type: Some(2), ..LLAMA }, 14);
+    let e = Pooling::for_model(&GgufFile::open(&path).unwrap(), "llama").unwrap_err();
+    assert!(e.to_string().contains("llama.pooling_type is 2"), "{e}");
 }

@@ -1,6 +1,6 @@
 //! `sift serve` through a real HTTP client: greedy replies equal `sift run --chat` and `sift chat`,
 //! stop strings, a client that leaves mid-stream, the bounded queue, OpenAI's errors, the model
-//! retrieved by name, which browser pages may call (CORS) and a graceful stop. Every server
+//! retrieved by name, which browser pages may call (CORS), embeddings and a graceful stop. Every server
 //! listens on 127.0.0.1 and is killed at the end of its test.
 
 mod common;
@@ -479,5 +479,68 @@ fn browser_pages_of_this_machine_may_call_the_api_and_other_sites_only_when_name
         assert!(headers.iter().all(|(name, _)| name != "access-control-allow-origin"), "{origin}: {headers:?}");
         let (_, headers) = server.get_from("/v1/models", origin, &key);
         assert!(headers.iter().all(|(name, _)| name != "access-control-allow-origin"), "{origin}: {headers:?}");
+    }
+}
+
+/// `/v1/embeddings`: each text's vector is the library's embedding of its tokens (unit length,
+/// the model's mean-pooled final-normed states), the same given as text or as tokens, as floats
+/// or as base64; the conversation's cache is left as it was; bad inputs are 400s.
+#[test]
+fn embeddings_are_the_librarys_for_each_input() {
+    use base64::Engine;
+    use sift::embed::{embed, Pooling};
+    let file = sift::gguf::GgufFile::open(common::default_model()).unwrap();
+    let model = sift::model::Model::load(&file).unwrap();
+    let tokenizer = sift::tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    let server = Server::start(&["-c", "256"]);
+    let texts = ["The cat sat on the mat.", "Stock markets fell sharply today."];
+
+    let (status, first) =
+        server.post("/v1/chat/completions", &greedy(json!([{"role": "user", "content": QUESTION}]), 4));
+    assert_eq!(status, 200, "{first}");
+    let (status, body) = server.post("/v1/embeddings", &json!({ "model": "any", "input": texts }));
+    assert_eq!(status, 200, "{body}");
+    let mut n_tokens = 0;
+    for (i, text) in texts.iter().enumerate() {
+        let ids = tokenizer.encode(text, true, false).unwrap();
+        n_tokens += ids.len();
+        let want = embed(&model, &ids, Pooling::Mean).unwrap();
+        let got: Vec<f32> =
+            body["data"][i]["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        assert_eq!(got, want, "{text}");
+        assert!((want.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-5);
+        assert_eq!(body["data"][i]["index"], i);
+
+        let tokens = json!({ "input": ids, "encoding_format": "base64" });
+        let (status, coded) = server.post("/v1/embeddings", &tokens);
+        assert_eq!(status, 200, "{coded}");
+        let bytes = base64::engine::general_purpose::STANDARD.decode(coded["data"][0]["embedding"].as_str().unwrap());
+        let floats: Vec<f32> =
+            bytes.unwrap().chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect();
+        assert_eq!(floats, want);
+    }
+    assert_eq!(body["usage"]["prompt_tokens"], n_tokens);
+    assert_eq!(body["object"], "list");
+
+    // The next turn still goes on from the conversation's cache.
+    let reply = content(&first).to_string();
+    let next = json!([
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": reply}, {"role": "user", "content": "Why?"}
+    ]);
+    let (status, body) = server.post("/v1/chat/completions", &greedy(next, 4));
+    assert_eq!(status, 200, "{body}");
+    assert!(body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 10, "{body}");
+
+    for (input, needle) in [
+        (json!({ "input": [] }), "at least one"),
+        (json!({ "input": "x", "dimensions": 3 }), "have 640"),
+        (json!({ "input": "x", "encoding_format": "hex" }), "\"hex\""),
+        (json!({ "input": [[2, 999999999]] }), "token 999999999"),
+        (json!({ "input": "word ".repeat(400) }), "context holds 256"),
+        (json!({ "input": 7 }), "not a valid request"),
+    ] {
+        let (status, body) = server.post("/v1/embeddings", &input);
+        assert_eq!(status, 400, "{input}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains(needle), "{input}: {body}");
     }
 }

@@ -1,7 +1,8 @@
 """The official `openai` client against `sift serve`: one chat completion whole, one streamed,
 one held to a JSON Schema through `response_format` (given three times the tokens), the same
 asked through the client's `parse` with a Pydantic model, as Python applications ask for it, and
-a required call of a tool whose parameters are that schema, whole and streamed.
+a required call of a tool whose parameters are that schema, whole and streamed, and the
+message's embedding, as the client asks for it by default (base64) and as floats.
 
 Usage: serve_openai.py BASE_URL MESSAGE MAX_TOKENS SCHEMA. Prints one JSON object with the model
 list, the model retrieved by name, and the replies' text, for tests/serve_python.rs to compare
@@ -55,6 +56,8 @@ def main() -> None:
         for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
             streamed_call["name"] += delta.function.name or ""
             streamed_call["arguments"] += delta.function.arguments or ""
+    embedded = client.embeddings.create(model=models[0], input=[message]).data[0].embedding
+    floats = client.embeddings.create(model=models[0], input=message, encoding_format="float").data[0].embedding
     print(
         json.dumps(
             {
@@ -71,6 +74,8 @@ def main() -> None:
                 "call": {"name": call.function.name, "arguments": call.function.arguments},
                 "call_finish": called.choices[0].finish_reason,
                 "streamed_call": streamed_call,
+                "embedding": list(embedded),
+                "embedding_floats": floats,
             }
         )
     )

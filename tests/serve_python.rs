@@ -1,7 +1,8 @@
 //! The official `openai` Python client talking to `sift serve`, whole and streamed: both give the
 //! greedy reply of `sift run --chat`, and a reply held to a JSON Schema through `response_format`
 //! (or the client's `parse` with a Pydantic model) gives `sift run --chat --json-schema`'s; a
-//! required tool call, whole and streamed, calls the tool with arguments valid under its schema.
+//! required tool call, whole and streamed, calls the tool with arguments valid under its schema;
+//! an embedding comes back the same through the client's default base64 as in floats.
 //! The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a
 //! virtual environment with `openai` in it), else `python3`; without the package the test says
 //! it is skipped, except under CI, where it fails.
@@ -62,6 +63,13 @@ fn the_openai_python_client_gets_the_greedy_reply_whole_and_streamed() {
     let arguments: Value = serde_json::from_str(got["call"]["arguments"].as_str().unwrap()).unwrap();
     let picked = arguments["colours"].as_array().unwrap_or_else(|| panic!("{got}"));
     assert!(picked.len() <= 3 && picked.iter().all(|c| c.as_str().is_some_and(|c| c.len() <= 10)), "{got}");
+    // The same f32s, written longer by Python's decoding of base64.
+    let as_f32 = |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect::<Vec<f32>>();
+    let embedding = as_f32(&got["embedding"]);
+    assert_eq!(embedding.len(), 640);
+    assert!(embedding == as_f32(&got["embedding_floats"]), "base64 and floats differ");
+    let norm: f32 = embedding.iter().map(|x| x * x).sum();
+    assert!((norm - 1.0).abs() < 1e-4, "{norm}");
     let finish = if reference["stop"] == "token_limit" { "length" } else { "stop" };
     assert_eq!((got["whole_finish"].as_str(), got["streamed_finish"].as_str()), (Some(finish), Some(finish)));
 }

@@ -8,6 +8,7 @@ use anyhow::Context;
 use clap::Args;
 use sift::chat::ChatTemplate;
 use sift::conversation::Conversation;
+use sift::embed::Pooling;
 use sift::model::Model;
 use sift::serve::{Config, Origins, Params};
 use sift::tokenizer::Tokenizer;
@@ -110,6 +111,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             format_field: "response_format",
         },
         cache_ram: args.cache_ram << 20,
+        pooling: Pooling::for_model(&file, model.hp.arch.gguf_name())?,
     };
     // The first line on stdout, once connections are taken: scripts read the port from it.
     let mut stdout = std::io::stdout().lock();

@@ -17,6 +17,7 @@ use crate::tokenizer::Tokenizer;
 use crate::tools::{calls_text, results_text, Tool, ToolCall, ToolChoice, ToolResult, Toolbox};
 
 use super::error::ApiError;
+use super::worker::EmbedInput;
 
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize)]
@@ -151,6 +152,93 @@ pub struct CompletionRequest {
     /// How many of the most likely tokens each position lists; present, it asks for logprobs.
     #[serde(default)]
     pub logprobs: Option<usize>,
+}
+
+/// `POST /v1/embeddings`.
+#[derive(Debug, Deserialize)]
+pub struct EmbeddingRequest {
+    pub input: EmbeddingInput,
+    /// `"float"` (the default) or `"base64"` (the little-endian f32 bytes, as OpenAI's clients
+    /// ask for them).
+    pub encoding_format: Option<String>,
+    /// The vector's length: the model's own, the only one served.
+    pub dimensions: Option<usize>,
+}
+
+/// A text, texts, a text's tokens, or several texts' tokens.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum EmbeddingInput {
+    One(String),
+    Many(Vec<String>),
+    Tokens(Vec<u32>),
+    ManyTokens(Vec<Vec<u32>>),
+}
+
+impl EmbeddingRequest {
+    /// The inputs, each to embed on its own; whether the vectors go as base64.
+    pub fn inputs(self, n_embd: usize) -> Result<(Vec<EmbedInput>, bool), ApiError> {
+        let base64 = match self.encoding_format.as_deref() {
+            None | Some("float") => false,
+            Some("base64") => true,
+            Some(other) => {
+                return Err(ApiError::invalid(format!("encoding_format {other:?}: \"float\" or \"base64\"")))
+            }
+        };
+        if let Some(dimensions) = self.dimensions.filter(|&d| d != n_embd) {
+            return Err(ApiError::invalid(format!("dimensions {dimensions}: this model's embeddings have {n_embd}")));
+        }
+        let inputs: Vec<EmbedInput> = match self.input {
+            EmbeddingInput::One(text) => vec![EmbedInput::Text(text)],
+            EmbeddingInput::Many(texts) => texts.into_iter().map(EmbedInput::Text).collect(),
+            EmbeddingInput::Tokens(ids) => vec![EmbedInput::Tokens(ids)],
+            EmbeddingInput::ManyTokens(lists) => lists.into_iter().map(EmbedInput::Tokens).collect(),
+        };
+        check(!inputs.is_empty(), "input: at least one text is needed")?;
+        Ok((inputs, base64))
+    }
+}
+
+/// The response of `/v1/embeddings`.
+#[derive(Debug, Serialize)]
+pub struct EmbeddingList {
+    pub object: &'static str,
+    pub data: Vec<Embedding>,
+    pub model: String,
+    pub usage: EmbeddingUsage,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Embedding {
+    pub object: &'static str,
+    pub index: usize,
+    pub embedding: EmbeddingVector,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum EmbeddingVector {
+    Floats(Vec<f32>),
+    Base64(String),
+}
+
+impl EmbeddingVector {
+    pub fn new(vector: Vec<f32>, base64: bool) -> Self {
+        use base64::Engine;
+        match base64 {
+            false => EmbeddingVector::Floats(vector),
+            true => {
+                let bytes: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
+                EmbeddingVector::Base64(base64::engine::general_purpose::STANDARD.encode(bytes))
+            }
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct EmbeddingUsage {
+    pub prompt_tokens: usize,
+    pub total_tokens: usize,
 }
 
 /// What both kinds of request share: sampling, limits, streaming.

@@ -1,7 +1,8 @@
 //! `sift serve`: an OpenAI-compatible HTTP server, and a chat page for the browser.
 //!
 //! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streamed as server-sent
-//! events with `"stream": true`), `GET /v1/models`, `GET /health`, and the chat page at `GET /`.
+//! events with `"stream": true`), `POST /v1/embeddings`, `GET /v1/models`, `GET /health`, and the
+//! chat page at `GET /`.
 //! The HTTP side runs on tokio (axum), on a thread of its own; the model runs on the caller's
 //! thread, one request at a time, behind a bounded queue ([`worker`]). The conversation API of
 //! [`crate::conversation`] is shared with `sift chat`, so a request that extends the previous
@@ -23,6 +24,7 @@ use std::net::TcpListener;
 
 use crate::chat::ChatTemplate;
 use crate::conversation::Conversation;
+use crate::embed::Pooling;
 use crate::structured::GrammarCompiler;
 
 pub use api::Params;
@@ -44,6 +46,8 @@ pub struct Config {
     pub defaults: Params,
     /// The most memory the caches set aside for later requests may take, in bytes.
     pub cache_ram: usize,
+    /// How `/v1/embeddings` pools a text's hidden states.
+    pub pooling: Pooling,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -67,14 +71,15 @@ pub fn serve(
     grammars: Option<GrammarCompiler>,
 ) -> Result<(), ServeError> {
     let n_ctx = conversation.session().n_ctx();
-    let n_vocab = conversation.session().model().hp.n_vocab;
-    let cache_ram = config.cache_ram;
+    let hp = &conversation.session().model().hp;
+    let sizes = (hp.n_vocab, hp.n_embd);
+    let (cache_ram, pooling) = (config.cache_ram, config.pooling);
     let (queue, jobs) = worker::queue(config.queue);
     let http = std::thread::Builder::new()
         .name("sift-http".into())
-        .spawn(move || routes::run(listener, queue, config, n_ctx, n_vocab))
+        .spawn(move || routes::run(listener, queue, config, n_ctx, sizes))
         .map_err(ServeError::Runtime)?;
     // Until the HTTP side lets go of the queue: after shutdown, or should it fail.
-    worker::Worker::new(conversation, template, cache_ram, grammars).run(jobs);
+    worker::Worker::new(conversation, template, cache_ram, grammars, pooling).run(jobs);
     http.join().map_err(|_| ServeError::Panicked)?
 }

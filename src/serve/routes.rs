@@ -29,8 +29,8 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::api::{
     finish_reason, AssistantMessage, ChatChoice, ChatLogprobs, ChatRequest, ChunkChoice, Completion, CompletionRequest,
-    Delta, IndexedToolCall, ModelCard, ModelList, Options, Params, SiftExtension, TextChoice, TextLogprobs,
-    TokenLogprob, Usage, WireCall, WireToolCall,
+    Delta, Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, EmbeddingVector, IndexedToolCall, ModelCard,
+    ModelList, Options, Params, SiftExtension, TextChoice, TextLogprobs, TokenLogprob, Usage, WireCall, WireToolCall,
 };
 use super::error::ApiError;
 use super::worker::{Event, Finished, Prompt, Queue};
@@ -46,6 +46,8 @@ struct Server {
     n_ctx: usize,
     /// For the token ids of `logit_bias`.
     n_vocab: usize,
+    /// The length of an embedding.
+    n_embd: usize,
     started: u64,
     next_id: AtomicU64,
 }
@@ -56,12 +58,13 @@ pub fn run(
     queue: Queue,
     config: Config,
     n_ctx: usize,
-    n_vocab: usize,
+    (n_vocab, n_embd): (usize, usize),
 ) -> Result<(), ServeError> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(ServeError::Runtime)?;
     let max_body = config.max_body;
     let cors = config.origins.layer();
-    let server = Arc::new(Server { queue, config, n_ctx, n_vocab, started: unix_now(), next_id: AtomicU64::new(1) });
+    let server =
+        Arc::new(Server { queue, config, n_ctx, n_vocab, n_embd, started: unix_now(), next_id: AtomicU64::new(1) });
     let app = Router::new()
         .route("/", get(|| async { Html(PAGE) }))
         .route("/health", get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
@@ -69,6 +72,7 @@ pub fn run(
         .route("/v1/models/{model}", get(model))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
         .layer(middleware::from_fn_with_state(server.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
@@ -187,6 +191,34 @@ async fn completions(State(server): State<Arc<Server>>, body: Result<Bytes, Byte
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
 }
 
+async fn embeddings(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let handle = async {
+        let request: EmbeddingRequest = parse(body)?;
+        let (inputs, base64) = request.inputs(server.n_embd)?;
+        let mut events = server.queue.submit(Prompt::Embed(inputs), server.config.defaults.clone())?;
+        match events.recv().await {
+            Some(Event::Embedded { vectors, tokens }) => {
+                let data = vectors
+                    .into_iter()
+                    .enumerate()
+                    .map(|(index, vector)| Embedding {
+                        object: "embedding",
+                        index,
+                        embedding: EmbeddingVector::new(vector, base64),
+                    })
+                    .collect();
+                let usage = EmbeddingUsage { prompt_tokens: tokens, total_tokens: tokens };
+                let list = EmbeddingList { object: "list", data, model: server.config.model_id.clone(), usage };
+                Ok(Json(list).into_response())
+            }
+            Some(Event::Failed(e)) => Err(e),
+            Some(_) => Err(out_of_order()),
+            None => Err(ApiError::shutting_down()),
+        }
+    };
+    handle.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
 /// Queues the job, waits for the model to take it, and answers whole or as a stream.
 async fn complete<K: Kind>(
     server: &Server,
@@ -221,7 +253,7 @@ async fn started(events: &mut UnboundedReceiver<Event>) -> Result<Usage, ApiErro
     match events.recv().await {
         Some(Event::Started { prompt_tokens, cached_tokens }) => Ok(Usage::new(prompt_tokens, cached_tokens, 0)),
         Some(Event::Failed(e)) => Err(e),
-        Some(_) => Err(ApiError::internal("the model's thread answered out of order")),
+        Some(_) => Err(out_of_order()),
         None => Err(ApiError::shutting_down()),
     }
 }
@@ -241,6 +273,7 @@ async fn gather(mut events: UnboundedReceiver<Event>) -> Result<Gathered, ApiErr
             Event::Token(token) => tokens.push(token),
             Event::Finished(finished) => return Ok(Gathered { text, tokens, finished }),
             Event::Failed(e) => return Err(e),
+            Event::Embedded { .. } => return Err(out_of_order()),
             Event::Started { .. } => {}
         }
     }
@@ -510,6 +543,10 @@ fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Resp
                     send(json(&e.body())).await;
                     return;
                 }
+                Event::Embedded { .. } => {
+                    send(json(&out_of_order().body())).await;
+                    return;
+                }
             };
             if !sent {
                 return;
@@ -517,6 +554,11 @@ fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Resp
         }
     });
     Sse::new(ReceiverStream::new(body)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// An event the request's kind does not expect.
+fn out_of_order() -> ApiError {
+    ApiError::internal("the model's thread answered out of order")
 }
 
 fn json<T: Serialize>(value: &T) -> String {

@@ -25,6 +25,7 @@ use crate::chat::{ChatTemplate, Message};
 use std::collections::VecDeque;
 
 use crate::conversation::{chat_prompt, prefix_reuse, Conversation, ConversationError, Parked};
+use crate::embed::{embed, Pooling};
 use crate::engine::EngineError;
 use crate::generate::{Limits, Sampled, StopReason};
 use crate::structured::{Format, Grammar, GrammarCompiler};
@@ -39,6 +40,16 @@ pub enum Prompt {
     Chat(Vec<Message>),
     /// Plain text, tokenized as `sift run` does.
     Text(String),
+    /// Texts (or their tokens) to embed, each on its own.
+    Embed(Vec<EmbedInput>),
+}
+
+/// One of the inputs of an embedding request.
+#[derive(Debug)]
+pub enum EmbedInput {
+    /// Tokenized as `sift run` tokenizes a prompt (BOS, and EOS where the vocabulary asks).
+    Text(String),
+    Tokens(Vec<u32>),
 }
 
 #[derive(Debug)]
@@ -61,6 +72,11 @@ pub enum Event {
     /// A token's log-probabilities, when the request asked for them.
     Token(TokenLogprob),
     Finished(Finished),
+    /// An embedding request's vectors, in the order of its inputs, and their tokens.
+    Embedded {
+        vectors: Vec<Vec<f32>>,
+        tokens: usize,
+    },
     Failed(ApiError),
 }
 
@@ -113,6 +129,7 @@ pub struct Worker<'m> {
     /// Given by the server (built for its default format), or built when the first request asks
     /// for structured output.
     grammars: Option<GrammarCompiler>,
+    pooling: Pooling,
 }
 
 impl<'m> Worker<'m> {
@@ -121,8 +138,9 @@ impl<'m> Worker<'m> {
         template: ChatTemplate,
         cache_ram: usize,
         grammars: Option<GrammarCompiler>,
+        pooling: Pooling,
     ) -> Self {
-        Self { conversation, template, parked: VecDeque::new(), cache_ram, grammars }
+        Self { conversation, template, parked: VecDeque::new(), cache_ram, grammars, pooling }
     }
 
     /// `format` compiled for the model's vocabulary; one that cannot be is the fault of the
@@ -172,11 +190,46 @@ impl<'m> Worker<'m> {
         }
     }
 
+    /// Embeds each input on a cache of its own, leaving the conversation's as it is.
+    fn embed(&self, job: &Job, inputs: &[EmbedInput]) -> Result<(), ApiError> {
+        let session = self.conversation.session();
+        let (model, n_ctx) = (session.model(), session.n_ctx());
+        let n_vocab = model.hp.n_vocab;
+        let (mut vectors, mut tokens) = (Vec::with_capacity(inputs.len()), 0);
+        for (i, input) in inputs.iter().enumerate() {
+            let ids = match input {
+                EmbedInput::Text(text) => self
+                    .conversation
+                    .tokenizer()
+                    .encode(text, true, false)
+                    .map_err(|e| ApiError::invalid(e.to_string()))?,
+                EmbedInput::Tokens(ids) => ids.clone(),
+            };
+            if let Some(id) = ids.iter().find(|&&id| id as usize >= n_vocab) {
+                return Err(ApiError::invalid(format!("input[{i}]: token {id} is not in the vocabulary of {n_vocab}")));
+            }
+            if ids.is_empty() {
+                return Err(ApiError::invalid(format!("input[{i}] has no tokens")));
+            }
+            if ids.len() > n_ctx {
+                return Err(ApiError::too_long(ids.len(), n_ctx));
+            }
+            if job.events.is_closed() {
+                return Ok(());
+            }
+            vectors.push(embed(model, &ids, self.pooling).map_err(|e| ApiError::internal(e.to_string()))?);
+            tokens += ids.len();
+        }
+        let _ = job.events.send(Event::Embedded { vectors, tokens });
+        Ok(())
+    }
+
     fn serve(&mut self, job: &Job) -> Result<(), ApiError> {
         let tokenizer = self.conversation.tokenizer();
         let ids = match &job.prompt {
             Prompt::Chat(messages) => chat_prompt(tokenizer, &self.template, messages, true),
             Prompt::Text(text) => tokenizer.encode(text, true, false).map_err(ConversationError::from),
+            Prompt::Embed(inputs) => return self.embed(job, inputs),
         }
         .map_err(|e| ApiError::invalid(e.to_string()))?;
         let n_ctx = self.conversation.session().n_ctx();
