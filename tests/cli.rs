@@ -301,3 +301,27 @@ fn completions_for_each_shell() {
     }
     assert_eq!(sift(&["completions", "tcsh"]).status.code(), Some(1));
 }
+
+/// `sift embed`: one line a text, each the library's embedding of the text's tokens; `-p` is one
+/// text; no text at all is a usage error.
+#[test]
+fn embed_prints_the_librarys_vectors_one_a_line() {
+    use sift::embed::{embed, Pooling};
+    let path = common::default_model();
+    let file = sift::gguf::GgufFile::open(&path).unwrap();
+    let model = sift::model::Model::load(&file).unwrap();
+    let tokenizer = sift::tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    let texts = ["The cat sat on the mat.", "Stock markets fell sharply today."];
+    let model_arg = path.to_str().unwrap();
+    let o = sift_with_stdin(&["embed", "-m", model_arg], format!("{}\n\n{}\n", texts[0], texts[1]).as_bytes());
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let lines: Vec<Vec<f32>> = stdout(&o).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let want: Vec<Vec<f32>> = texts
+        .iter()
+        .map(|t| embed(&model, &tokenizer.encode(t, true, false).unwrap(), Pooling::Mean).unwrap())
+        .collect();
+    assert_eq!(lines, want);
+    let o = sift(&["embed", "-m", model_arg, "-p", texts[1]]);
+    assert_eq!(stdout(&o).trim(), serde_json::to_string(&want[1]).unwrap());
+    assert_fails(&sift_with_stdin(&["embed", "-m", model_arg], b"\n \n"), 1, "no text");
+}

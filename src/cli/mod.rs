@@ -4,6 +4,7 @@
 mod attn;
 mod bench;
 mod chat;
+mod embed;
 mod gpu_bench;
 mod gpu_profile;
 mod inspect;
@@ -74,6 +75,8 @@ enum Command {
     Perplexity(perplexity::PerplexityArgs),
     /// Print the token ids of a text.
     Tokenize(tokenize::TokenizeArgs),
+    /// Print texts' embeddings, one JSON array a line (as the server's /v1/embeddings gives them).
+    Embed(embed::EmbedArgs),
     /// Describe a model: architecture, hyper-parameters, tensor types, memory needs.
     Inspect(inspect::InspectArgs),
     /// Measure prompt processing and generation speed, as llama-bench does.
@@ -486,6 +489,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(args),
         Command::Perplexity(args) => perplexity::run(args),
         Command::Tokenize(args) => tokenize::run(args),
+        Command::Embed(args) => embed::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Bench(args) => bench::run(args),
         Command::GpuBench(args) => gpu_bench::run(args),
