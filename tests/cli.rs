@@ -324,4 +324,5 @@ fn embed_prints_the_librarys_vectors_one_a_line() {
     let o = sift(&["embed", "-m", model_arg, "-p", texts[1]]);
     assert_eq!(stdout(&o).trim(), serde_json::to_string(&want[1]).unwrap());
     assert_fails(&sift_with_stdin(&["embed", "-m", model_arg], b"\n \n"), 1, "no text");
+    assert_fails(&sift(&["embed", "-m", model_arg, "-c", "4", "-p", texts[0]]), 3, "text 1: the prompt has");
 }

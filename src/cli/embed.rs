@@ -4,10 +4,11 @@ use std::io::Write;
 
 use clap::Args;
 use sift::embed::{embed, Pooling};
+use sift::engine::EngineError;
 use sift::model::Model;
 use sift::tokenizer::Tokenizer;
 
-use super::{read_prompt, InputError, ModelArgs, Usage};
+use super::{context_size, read_prompt, InputError, ModelArgs, Usage};
 
 #[derive(Args)]
 pub struct EmbedArgs {
@@ -16,6 +17,9 @@ pub struct EmbedArgs {
     /// One text; without it, each line of standard input is a text (empty lines skipped)
     #[arg(short, long)]
     prompt: Option<String>,
+    /// The most tokens a text may have [default: 4096, or the model's training context if smaller]
+    #[arg(short = 'c', long = "ctx-size")]
+    ctx: Option<usize>,
 }
 
 /// Prints one JSON array a text, in order: its final-normed hidden states pooled as the model
@@ -33,17 +37,13 @@ pub fn run(args: EmbedArgs) -> anyhow::Result<()> {
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
     let pooling = Pooling::for_model(&file, model.hp.arch.gguf_name())?;
+    let n_ctx = context_size(args.ctx, model.hp.n_ctx_train)?;
     let mut stdout = std::io::stdout().lock();
     for (i, text) in texts.iter().enumerate() {
         let ids = tokenizer.encode(text, true, false)?;
-        if ids.len() > model.hp.n_ctx_train {
-            let n = model.hp.n_ctx_train;
-            return Err(InputError(format!(
-                "text {} has {} tokens, more than the model's context of {n}",
-                i + 1,
-                ids.len()
-            ))
-            .into());
+        if ids.len() > n_ctx {
+            let too_long = EngineError::PromptTooLong { prompt: ids.len(), n_ctx };
+            return Err(anyhow::Error::new(too_long).context(format!("text {}", i + 1)));
         }
         if ids.is_empty() {
             return Err(InputError(format!("text {} has no tokens", i + 1)).into());

@@ -25,6 +25,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use sift::audit::{AuditError, AuditLog};
 use sift::chat::{ChatError, ChatTemplate, Origin};
 use sift::conversation::ConversationError;
+use sift::embed::PoolingError;
 use sift::engine::{EngineError, PrefillProgress, Session};
 use sift::gguf::{GgufError, GgufFile, Residence};
 use sift::gpu::on_demand::{GpuMode, OnDemand, PrefillOptions};
@@ -611,6 +612,7 @@ fn cause_code(cause: &(dyn std::error::Error + 'static)) -> Option<u8> {
         || cause.is::<ChatError>()
         || cause.is::<GpuError>()
         || cause.is::<KernelError>()
+        || cause.is::<PoolingError>()
     {
         return Some(EXIT_MODEL);
     }

@@ -60,7 +60,8 @@ pub struct Job {
 }
 
 /// What the worker tells the request's handler, in this order: `Started` (or `Failed`), then
-/// `Text` and `Token` as they come, then `Finished` (or `Failed`).
+/// `Text` and `Token` as they come, then `Finished` (or `Failed`); for an embedding job,
+/// `Embedded` (or `Failed`).
 #[derive(Debug)]
 pub enum Event {
     Started {
