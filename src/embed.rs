@@ -41,29 +41,48 @@ impl Pooling {
     }
 }
 
-/// The embedding of `tokens` (at least one): their final-normed hidden states pooled, at unit
-/// length.
-pub fn embed(model: &Model, tokens: &[u32], pooling: Pooling) -> Result<Vec<f32>, EngineError> {
-    assert!(!tokens.is_empty(), "an embedding needs a token");
-    let dim = model.hp.n_embd;
-    let mut session = Session::new(model, tokens.len());
-    let mut pooled = vec![0.0f64; dim];
-    for chunk in tokens.chunks(DEFAULT_BATCH) {
-        let hidden = session.evaluate_all(chunk)?;
-        match pooling {
-            Pooling::Mean => {
-                for row in hidden.chunks_exact(dim) {
-                    pooled.iter_mut().zip(row).for_each(|(p, &x)| *p += f64::from(x));
+/// Embeds texts one after another on one cache, cleared between them: sized once for the
+/// longest, rather than allocated anew for each.
+pub struct Embedder<'m> {
+    session: Session<'m>,
+    pooling: Pooling,
+}
+
+impl<'m> Embedder<'m> {
+    /// An embedder for texts of at most `n_ctx` tokens.
+    pub fn new(model: &'m Model<'m>, n_ctx: usize, pooling: Pooling) -> Self {
+        Self { session: Session::new(model, n_ctx), pooling }
+    }
+
+    /// The embedding of `tokens` (at least one, at most the embedder's `n_ctx`): their
+    /// final-normed hidden states pooled, at unit length.
+    pub fn embed(&mut self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
+        assert!(!tokens.is_empty(), "an embedding needs a token");
+        self.session.reset();
+        let dim = self.session.model().hp.n_embd;
+        let mut pooled = vec![0.0f64; dim];
+        for chunk in tokens.chunks(DEFAULT_BATCH) {
+            let hidden = self.session.evaluate_all(chunk)?;
+            match self.pooling {
+                Pooling::Mean => {
+                    for row in hidden.chunks_exact(dim) {
+                        pooled.iter_mut().zip(row).for_each(|(p, &x)| *p += f64::from(x));
+                    }
+                }
+                Pooling::Last => {
+                    let last = &hidden[hidden.len() - dim..];
+                    pooled.iter_mut().zip(last).for_each(|(p, &x)| *p = f64::from(x));
                 }
             }
-            Pooling::Last => {
-                let last = &hidden[hidden.len() - dim..];
-                pooled.iter_mut().zip(last).for_each(|(p, &x)| *p = f64::from(x));
-            }
         }
+        let norm = pooled.iter().map(|x| x * x).sum::<f64>().sqrt();
+        // A zero vector (all states zero) stays zero.
+        let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+        Ok(pooled.iter().map(|&x| (x * scale) as f32).collect())
     }
-    let norm = pooled.iter().map(|x| x * x).sum::<f64>().sqrt();
-    // A zero vector (all states zero) stays zero.
-    let scale = if norm > 0.0 { 1.0 / norm } else { 0.0 };
-    Ok(pooled.iter().map(|&x| (x * scale) as f32).collect())
+}
+
+/// The embedding of `tokens` alone (see [`Embedder::embed`]).
+pub fn embed(model: &Model, tokens: &[u32], pooling: Pooling) -> Result<Vec<f32>, EngineError> {
+    Embedder::new(model, tokens.len(), pooling).embed(tokens)
 }

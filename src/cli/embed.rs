@@ -3,7 +3,7 @@
 use std::io::Write;
 
 use clap::Args;
-use sift::embed::{embed, Pooling};
+use sift::embed::{Embedder, Pooling};
 use sift::engine::EngineError;
 use sift::model::Model;
 use sift::tokenizer::Tokenizer;
@@ -38,6 +38,7 @@ pub fn run(args: EmbedArgs) -> anyhow::Result<()> {
     let model = Model::load(&file)?;
     let pooling = Pooling::for_model(&file, model.hp.arch.gguf_name())?;
     let n_ctx = context_size(args.ctx, model.hp.n_ctx_train)?;
+    let mut embedder = Embedder::new(&model, n_ctx, pooling);
     let mut stdout = std::io::stdout().lock();
     for (i, text) in texts.iter().enumerate() {
         let ids = tokenizer.encode(text, true, false)?;
@@ -48,7 +49,7 @@ pub fn run(args: EmbedArgs) -> anyhow::Result<()> {
         if ids.is_empty() {
             return Err(InputError(format!("text {} has no tokens", i + 1)).into());
         }
-        writeln!(stdout, "{}", serde_json::to_string(&embed(&model, &ids, pooling)?)?)?;
+        writeln!(stdout, "{}", serde_json::to_string(&embedder.embed(&ids)?)?)?;
     }
     Ok(())
 }

@@ -290,7 +290,7 @@ pub struct JsonSchemaFormat {
 }
 
 impl ResponseFormat {
-    pub fn format(&self) -> Option<Format> {
+    fn format(&self) -> Option<Format> {
         match self {
             ResponseFormat::Text => None,
             ResponseFormat::JsonObject { schema } => {

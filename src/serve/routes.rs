@@ -30,7 +30,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::api::{
     finish_reason, AssistantMessage, ChatChoice, ChatLogprobs, ChatRequest, ChunkChoice, Completion, CompletionRequest,
     Delta, Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, EmbeddingVector, IndexedToolCall, ModelCard,
-    ModelList, Options, Params, SiftExtension, TextChoice, TextLogprobs, TokenLogprob, Usage, WireCall, WireToolCall,
+    ModelList, Options, Params, ResponseFormat, SiftExtension, TextChoice, TextLogprobs, TokenLogprob, Usage, WireCall,
+    WireToolCall,
 };
 use super::error::ApiError;
 use super::worker::{Event, Finished, Prompt, Queue};
@@ -169,7 +170,7 @@ async fn chat_completions(State(server): State<Arc<Server>>, body: Result<Bytes,
         let top = request.logprobs.then(|| request.top_logprobs.unwrap_or(0));
         let mut params = request.options.params(&server.config.defaults, top, server.n_vocab)?;
         if let Some(toolbox) = &toolbox {
-            if request.options.response_format.as_ref().is_some_and(|f| f.format().is_some()) {
+            if !matches!(request.options.response_format, None | Some(ResponseFormat::Text)) {
                 return Err(ApiError::invalid("tools and response_format cannot both shape a reply: send one"));
             }
             messages = with_instructions(messages, toolbox);
@@ -356,8 +357,10 @@ trait Kind {
     /// A piece of text, with the log-probabilities of the tokens it completes.
     fn text(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> Self::Chunk;
     /// A reply held back whole ([`Answer::holds`]): its calls, or else its text; and whether it
-    /// called tools.
-    fn held(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> (Self::Chunk, bool);
+    /// called tools. Only chat replies can be calls.
+    fn held(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> (Self::Chunk, bool) {
+        (Self::text(answer, text, tokens), false)
+    }
     /// The chunk that closes a stream; `called`: the reply was calls.
     fn last(finished: &Finished, called: bool) -> Self::Chunk;
 }
@@ -462,10 +465,6 @@ impl Kind for Text {
             all
         });
         TextChoice { index: 0, text, logprobs, finish_reason: None, x_sift: None }
-    }
-
-    fn held(answer: &Answer, text: String, tokens: Vec<TokenLogprob>) -> (TextChoice, bool) {
-        (Self::text(answer, text, tokens), false)
     }
 
     fn last(finished: &Finished, _called: bool) -> TextChoice {

@@ -14,6 +14,7 @@
 //! `--cache-ram`; a later request that goes on from a parked cache further than from the current
 //! one takes it up again, and the current one is parked in its place.
 
+use std::borrow::Cow;
 use std::ops::ControlFlow;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
 
@@ -25,7 +26,7 @@ use crate::chat::{ChatTemplate, Message};
 use std::collections::VecDeque;
 
 use crate::conversation::{chat_prompt, prefix_reuse, Conversation, ConversationError, Parked};
-use crate::embed::{embed, Pooling};
+use crate::embed::{Embedder, Pooling};
 use crate::engine::EngineError;
 use crate::generate::{Limits, Sampled, StopReason};
 use crate::structured::{Format, Grammar, GrammarCompiler};
@@ -191,20 +192,21 @@ impl<'m> Worker<'m> {
         }
     }
 
-    /// Embeds each input on a cache of its own, leaving the conversation's as it is.
+    /// Embeds each input on a cache of the embedder's, leaving the conversation's as it is.
     fn embed(&self, job: &Job, inputs: &[EmbedInput]) -> Result<(), ApiError> {
         let session = self.conversation.session();
         let (model, n_ctx) = (session.model(), session.n_ctx());
         let n_vocab = model.hp.n_vocab;
-        let (mut vectors, mut tokens) = (Vec::with_capacity(inputs.len()), 0);
+        let mut texts = Vec::with_capacity(inputs.len());
         for (i, input) in inputs.iter().enumerate() {
             let ids = match input {
-                EmbedInput::Text(text) => self
-                    .conversation
-                    .tokenizer()
-                    .encode(text, true, false)
-                    .map_err(|e| ApiError::invalid(e.to_string()))?,
-                EmbedInput::Tokens(ids) => ids.clone(),
+                EmbedInput::Text(text) => Cow::Owned(
+                    self.conversation
+                        .tokenizer()
+                        .encode(text, true, false)
+                        .map_err(|e| ApiError::invalid(e.to_string()))?,
+                ),
+                EmbedInput::Tokens(ids) => Cow::Borrowed(&ids[..]),
             };
             if let Some(id) = ids.iter().find(|&&id| id as usize >= n_vocab) {
                 return Err(ApiError::invalid(format!("input[{i}]: token {id} is not in the vocabulary of {n_vocab}")));
@@ -215,12 +217,18 @@ impl<'m> Worker<'m> {
             if ids.len() > n_ctx {
                 return Err(ApiError::too_long(ids.len(), n_ctx));
             }
+            texts.push(ids);
+        }
+        let longest = texts.iter().map(|ids| ids.len()).max().unwrap_or(1);
+        let mut embedder = Embedder::new(model, longest, self.pooling);
+        let mut vectors = Vec::with_capacity(texts.len());
+        for ids in &texts {
             if job.events.is_closed() {
                 return Ok(());
             }
-            vectors.push(embed(model, &ids, self.pooling).map_err(|e| ApiError::internal(e.to_string()))?);
-            tokens += ids.len();
+            vectors.push(embedder.embed(ids).map_err(|e| ApiError::internal(e.to_string()))?);
         }
+        let tokens = texts.iter().map(|ids| ids.len()).sum();
         let _ = job.events.send(Event::Embedded { vectors, tokens });
         Ok(())
     }
