@@ -205,7 +205,7 @@ proptest! {
     #[test]
     fn every_isa_refines_a_page_as_the_reference(
         seed in any::<u64>(),
-        dim in prop::sample::select(vec![1usize, 2, 3, 7, 63, 64, 65, 127, 128, 129, 256, 257, 512]),
+        dim in prop::sample::select(vec![1usize, 2, 3, 7, 63, 64, 65, 127, 128, 129, 256, 257, 511, 512, 513, 1031]),
         rows in prop::sample::select(vec![0usize, 1, 7, 8, 9, 63, 64]),
         heads in 1usize..=9,
     ) {

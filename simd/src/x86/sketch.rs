@@ -120,6 +120,12 @@ unsafe fn accumulate<I: IsaOps, const BITS: u32, const G: usize, const R: usize>
 /// Rows refined together: one vector of dots per query and kind of dot.
 const REFINED_ROWS: usize = 8;
 
+/// The most whole vectors of a row [`refine_fused`] keeps weights for (256
+/// code bytes, 512 channels of 4 bits, besides a last part-vector); longer
+/// rows take the portable composition, with the table's dots and the same
+/// bits.
+const ROW_VECTORS: usize = 8;
+
 /// The three integer dots of a row the refinement needs, per query: the
 /// coarse codes with the weights, the 8-bit codes with the weights, and the
 /// 8-bit codes with the residual weights.
@@ -145,6 +151,10 @@ unsafe fn refine_fused<I: RefineBytes>(
     let rows = out.len() / queries.len().max(1);
     if rows == 0 {
         return;
+    }
+    if coarse.layout.row_bytes() / VECTOR > ROW_VECTORS {
+        // SAFETY: the caller's guarantees are those of the portable form.
+        return unsafe { crate::sketch::refine_composed::<I>(coarse, fine, queries, out) };
     }
     let mut first = 0;
     while first < queries.len() {
@@ -176,17 +186,31 @@ unsafe fn refine_group<I: RefineBytes, const G: usize>(
     let group: [&RefineQuery; G] = core::array::from_fn(|g| &queries[g]);
     let len = coarse.layout.row_bytes();
     let whole = len / VECTOR * VECTOR;
+    // SAFETY: the caller's ISA guarantee.
+    let zero = unsafe { _mm256_setzero_si256() };
     // Per query, its four planes (weights even and odd, residuals even and
-    // odd), and their last bytes padded with zeros.
+    // odd).
     let planes: [[&[i8]; 4]; G] = group.map(|q| {
         let (w, r) = (q.scan.weights, q.residuals);
         [&w[..len], &w[len..2 * len], &r[..len], &r[len..2 * len]]
     });
-    let tails: [[[i8; VECTOR]; 4]; G] = planes.map(|p| p.map(|plane| padded(&plane[whole..])));
+    // The planes' whole vectors, loaded once for the page: reading them
+    // from the queries' slices for every row cost a pointer and a bounds
+    // check per load.
+    let weights: [[[__m256i; 4]; G]; ROW_VECTORS] = core::array::from_fn(|k| {
+        let at = k * VECTOR;
+        core::array::from_fn(|g| {
+            core::array::from_fn(|j| if at + VECTOR <= whole { load32(first::<i8>(&planes[g][j][at..])) } else { zero })
+        })
+    });
+    // The planes' last bytes padded with zeros, where rows end past their
+    // last whole vector.
+    let tails: Option<[[__m256i; 4]; G]> =
+        (whole < len).then(|| planes.map(|p| p.map(|plane| load32(&padded::<i8, VECTOR>(&plane[whole..])))));
+    // Every block writes every row's dots (past the last row, the last
+    // row's again), so the array is cleared once, not once a block.
+    let mut dots = [[[zero; REFINED_ROWS]; 3]; G];
     for start in (0..rows).step_by(REFINED_ROWS) {
-        // SAFETY: the caller's ISA guarantee.
-        let zero = unsafe { _mm256_setzero_si256() };
-        let mut dots = [[[zero; REFINED_ROWS]; 3]; G];
         for r in 0..REFINED_ROWS {
             // Past the last row, the block repeats it (and drops its bounds).
             let row = (start + r).min(rows - 1);
@@ -196,33 +220,15 @@ unsafe fn refine_group<I: RefineBytes, const G: usize>(
             // SAFETY: the caller's ISA guarantee; every load is of a whole vector.
             unsafe {
                 for (k, m) in (0..whole).step_by(VECTOR).enumerate() {
-                    // (Loops, not `array::map`, whose closures are not
-                    // always inlined in this innermost loop.)
-                    let mut weights = [[zero; 4]; G];
-                    for (weights, planes) in weights.iter_mut().zip(&planes) {
-                        for (w, plane) in weights.iter_mut().zip(planes) {
-                            *w = load32(first::<i8>(&plane[m..]));
-                        }
-                    }
-                    I::add_bytes::<G>(
-                        &mut partial,
-                        load32(first::<u8>(&c[m..])),
-                        load32(first::<u8>(&f[m..])),
-                        &weights,
-                    );
+                    let (c, f) = (load32(first::<u8>(&c[m..])), load32(first::<u8>(&f[m..])));
+                    I::add_bytes::<G>(&mut partial, c, f, &weights[k]);
                     if (k + 1) % I::SPAN == 0 {
                         I::widen::<G>(&mut partial, &mut acc);
                     }
                 }
-                if whole < len {
-                    let mut weights = [[zero; 4]; G];
-                    for (weights, tails) in weights.iter_mut().zip(&tails) {
-                        for (w, tail) in weights.iter_mut().zip(tails) {
-                            *w = load32(tail);
-                        }
-                    }
+                if let Some(tails) = &tails {
                     let (c, f) = (padded::<u8, VECTOR>(&c[whole..]), padded::<u8, VECTOR>(&f[whole..]));
-                    I::add_bytes::<G>(&mut partial, load32(&c), load32(&f), &weights);
+                    I::add_bytes::<G>(&mut partial, load32(&c), load32(&f), tails);
                 }
                 I::widen::<G>(&mut partial, &mut acc);
             }
