@@ -22,10 +22,11 @@
 //! 2. **Candidates.** Key `i` enters at level `j` when
 //!    `s_i − c + E_i ≥ ln τ_j`, so it can only if `p_i ≥ c + ln τ_j`. With
 //!    `T_j` that threshold rounded down to f32 (and lowered by far more than
-//!    the f64 rounding of the entry rule), the keys are sorted once, by
-//!    counting, by the first level `j` with `T_j ≤ p_i` ([`Buckets`]; keys
-//!    that reach no level are never read), and level `j` looks at its
-//!    bucket alone, in ascending key order.
+//!    the f64 rounding of the entry rule), the keys are sorted, by
+//!    counting, by the first level `j` with `T_j ≤ p_i` ([`Buckets`], a
+//!    tier of levels at a time as the walk reaches it; keys that reach no
+//!    level are never read), and level `j` looks at its bucket alone, in
+//!    ascending key order.
 //! 3. **Levels.** Each candidate is refined once (its `p_i` replaced by the
 //!    tighter bound), then, if it still reaches `T_j`, scored exactly; if
 //!    not, it moves to the bucket of the first level its refined bound
@@ -240,7 +241,7 @@ impl HeadAttention {
         self.add_exact_set(keys, c);
         self.promotions.iter_mut().for_each(Vec::clear);
         self.light_rows.clear();
-        self.buckets.sort(keys.perturbed_uppers(), c, &grid);
+        self.buckets.reset(c, &grid);
         let last = match stop {
             Stop::Certified => grid.last,
             Stop::AtLevel(j) => j.min(grid.last),
@@ -398,18 +399,27 @@ impl HeadAttention {
 /// Level `j`'s threshold is `T_j`, `c + ln τ_j` lowered past the entry
 /// rule's rounding and rounded down to f32; the thresholds fall with `j`.
 /// A key with bound `p_i` is first looked at on the first level with
-/// `T_j ≤ p_i` ([`simd::Kernels::first_levels`]): [`Self::sort`] puts the
-/// keys that reach a level in order of that level by counting (one pass to
-/// count, one to place), and a key the level's reads postpone is
-/// [`Self::postpone`]d, with what was learnt of it, to a later level's list.
+/// `T_j ≤ p_i` ([`simd::Kernels::first_levels`]). The keys are sorted by
+/// that level a tier of [`TIER`] levels at a time, when the walk first
+/// reaches the tier: one pass over the bounds picks the keys whose first
+/// level lies in it (`T_last ≤ p_i < T_before`), and counting puts them in
+/// order of level (one pass to count, one to place). A head stops a few
+/// levels down (on the benchmark's caches and the default model's, at
+/// levels 5 to 22 of 40), and most keys' bounds reach only the deep levels
+/// it never gets to, so they are compared with two numbers and never
+/// sorted. A key the level's reads postpone is [`Self::postpone`]d, with
+/// what was learnt of it, to a later level's list.
 #[derive(Default)]
 struct Buckets {
     /// `T_j` per level.
     thresholds: Vec<f32>,
-    /// Per pool key: the first level its scanned bound reaches
-    /// (`thresholds.len()` for none).
+    /// The levels sorted so far: `0..tiers_end`.
+    tiers_end: usize,
+    /// The keys of the tier being sorted, their bounds and first levels.
+    picked: Vec<u32>,
+    picked_bounds: Vec<f32>,
     first: Vec<u8>,
-    /// The keys that reach a level, by first level, ascending within one:
+    /// The keys of the levels sorted, by first level, ascending within one:
     /// level `j`'s are `sorted[starts[j]..starts[j + 1]]`.
     sorted: Vec<u32>,
     starts: Vec<u32>,
@@ -419,36 +429,67 @@ struct Buckets {
     postponed: Vec<Vec<Candidate>>,
 }
 
+/// Levels [`Buckets`] sorts at a time.
+const TIER: usize = 16;
+
 impl Buckets {
-    /// Sorts the keys of bounds `bounds` by their first level under shift
-    /// `c`.
-    fn sort(&mut self, bounds: &[f32], c: f64, grid: &Grid) {
+    /// Sets the thresholds for shift `c` and forgets the last call's keys;
+    /// the keys are sorted as the walk reaches their levels.
+    fn reset(&mut self, c: f64, grid: &Grid) {
         let levels = grid.levels();
         let margin = 1e-9 * (1.0 + c.abs());
         self.thresholds.clear();
         self.thresholds.extend((0..levels).map(|j| f32_down(c + grid.log_threshold(j) - margin)));
         self.postponed.resize_with(levels, Vec::new);
         self.postponed.iter_mut().for_each(Vec::clear);
+        self.tiers_end = 0;
+        self.sorted.clear();
         self.starts.clear();
-        self.starts.resize(levels + 2, 0);
-        self.first.resize(bounds.len(), 0);
-        simd::kernels().first_levels(bounds, &self.thresholds, &mut self.first);
-        // Counts at `starts[j + 1]`, then their sums, then each key placed.
-        for &j in &self.first {
-            self.starts[usize::from(j) + 1] += 1;
-        }
-        for j in 1..self.starts.len() {
-            self.starts[j] += self.starts[j - 1];
-        }
-        self.sorted.resize(self.starts[levels] as usize, 0);
-        self.cursors.clone_from(&self.starts);
-        for (i, &j) in self.first.iter().enumerate() {
-            if usize::from(j) < levels {
-                let slot = &mut self.cursors[usize::from(j)];
-                self.sorted[*slot as usize] = i as u32;
-                *slot += 1;
+        self.starts.push(0);
+    }
+
+    /// Sorts the next tier's keys of bounds `bounds` by their first level.
+    fn sort_tier(&mut self, bounds: &[f32]) {
+        let (start, end) = (self.tiers_end, (self.tiers_end + TIER).min(self.thresholds.len()));
+        // First level below `end` (`p ≥ T_{end−1}`), and not below `start`
+        // (`p < T_{start−1}`, the least f32 under it or less).
+        let floor = self.thresholds[end - 1];
+        let ceiling = if start == 0 { f32::INFINITY } else { self.thresholds[start - 1].next_down() };
+        let picks = |p: f32| p >= floor && p <= ceiling;
+        self.picked.clear();
+        self.picked_bounds.clear();
+        // A chunk's test is branch-free arithmetic, a bit per key; the keys
+        // picked (a few percent, scattered) are then found bit by bit.
+        for (k, chunk) in bounds.chunks(64).enumerate() {
+            let mut mask = chunk.iter().enumerate().fold(0u64, |m, (i, &p)| m | u64::from(picks(p)) << i);
+            while mask != 0 {
+                let i = mask.trailing_zeros() as usize;
+                self.picked.push((64 * k + i) as u32);
+                self.picked_bounds.push(chunk[i]);
+                mask &= mask - 1;
             }
         }
+        self.first.resize(self.picked.len(), 0);
+        simd::kernels().first_levels(&self.picked_bounds, &self.thresholds, &mut self.first);
+        // Counts at `starts[j + 1]` (past the sorted levels' `starts`, which end at
+        // `starts[start]`), then their sums, then each key placed.
+        debug_assert_eq!(self.starts.len(), start + 1, "the sorted levels' starts");
+        self.starts.resize(end + 1, 0);
+        for &j in &self.first {
+            debug_assert!((start..end).contains(&usize::from(j)), "a key picked outside its tier");
+            self.starts[usize::from(j) + 1] += 1;
+        }
+        for j in start + 1..=end {
+            self.starts[j] += self.starts[j - 1];
+        }
+        self.sorted.resize(self.starts[end] as usize, 0);
+        self.cursors.clone_from(&self.starts);
+        for (&i, &j) in self.picked.iter().zip(&self.first) {
+            let slot = &mut self.cursors[usize::from(j)];
+            self.sorted[*slot as usize] = i;
+            *slot += 1;
+        }
+        self.tiers_end = end;
     }
 
     fn threshold(&self, j: usize) -> f32 {
@@ -463,9 +504,13 @@ impl Buckets {
     }
 
     /// Level `j`'s keys, ascending, into `out`: those first looked at here
-    /// with their bounds from the scan, `bounds`, merged with those
-    /// postponed to it (sorted alone; no key is in both).
+    /// with their bounds from the scan, `bounds` (sorting the tier of `j`
+    /// if not yet sorted), merged with those postponed to it (sorted alone;
+    /// no key is in both).
     fn take(&mut self, j: usize, bounds: &[f32], out: &mut Vec<Candidate>) {
+        while self.tiers_end <= j {
+            self.sort_tier(bounds);
+        }
         out.clear();
         let first = &self.sorted[self.starts[j] as usize..self.starts[j + 1] as usize];
         let postponed = &mut self.postponed[j];
