@@ -544,3 +544,59 @@ fn embeddings_are_the_librarys_for_each_input() {
         assert!(body["error"]["message"].as_str().unwrap().contains(needle), "{input}: {body}");
     }
 }
+
+#[test]
+fn tokenize_and_detokenize_are_the_librarys() {
+    let file = sift::gguf::GgufFile::open(common::default_model()).unwrap();
+    let tokenizer = sift::tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    let server = Server::start(&["-c", "256"]);
+    // A control token's text, and a character outside the vocabulary, which falls back to bytes.
+    let text = "Hello world<start_of_turn> \u{10FFFD}!";
+    let ids = |body: &Value| -> Vec<u32> {
+        body["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    };
+
+    let (status, body) = server.post("/tokenize", &json!({ "content": text }));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(ids(&body), tokenizer.encode(text, false, true).unwrap());
+    let request = json!({ "content": text, "add_special": true, "parse_special": false });
+    let (status, body) = server.post("/tokenize", &request);
+    assert_eq!(status, 200, "{body}");
+    let plain = tokenizer.encode(text, true, false).unwrap();
+    assert_eq!(ids(&body), plain);
+    assert_ne!(plain, tokenizer.encode(text, false, true).unwrap());
+
+    let (status, body) = server.post("/tokenize", &json!({ "content": text, "with_pieces": true }));
+    assert_eq!(status, 200, "{body}");
+    let pieces = body["tokens"].as_array().unwrap();
+    let want = tokenizer.encode(text, false, true).unwrap();
+    assert_eq!(pieces.len(), want.len());
+    let mut bytes_pieces = 0;
+    for (piece, &id) in pieces.iter().zip(&want) {
+        assert_eq!(piece["id"], id);
+        let bytes = tokenizer.token_bytes(id);
+        match String::from_utf8(bytes.clone()) {
+            Ok(text) => assert_eq!(piece["piece"], text, "token {id}"),
+            Err(_) => {
+                assert_eq!(piece["piece"], json!(bytes), "token {id}");
+                bytes_pieces += 1;
+            }
+        }
+    }
+    assert!(bytes_pieces > 0, "the text has no token that is part of a character: {body}");
+
+    let (status, body) = server.post("/detokenize", &json!({ "tokens": want }));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["content"], tokenizer.decode(&want));
+    assert_eq!(body["content"], text);
+
+    for (route, input, needle) in [
+        ("/detokenize", json!({ "tokens": [2, 999999999] }), "token 999999999"),
+        ("/detokenize", json!({ "tokens": "abc" }), "not a valid request"),
+        ("/tokenize", json!({ "content": 5 }), "not a valid request"),
+    ] {
+        let (status, body) = server.post(route, &input);
+        assert_eq!(status, 400, "{route} {input}: {body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains(needle), "{route} {input}: {body}");
+    }
+}

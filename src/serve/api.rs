@@ -165,6 +165,100 @@ pub struct EmbeddingRequest {
     pub dimensions: Option<usize>,
 }
 
+/// `POST /tokenize`, with llama.cpp's server's fields and defaults.
+#[derive(Debug, Deserialize)]
+pub struct TokenizeRequest {
+    pub content: String,
+    /// BOS (and EOS) where the vocabulary asks for them.
+    #[serde(default)]
+    pub add_special: bool,
+    /// The text of a control token (`<start_of_turn>`) as that token.
+    #[serde(default = "yes")]
+    pub parse_special: bool,
+    /// Each token with the text it stands for.
+    #[serde(default)]
+    pub with_pieces: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `POST /detokenize`.
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<u32>,
+}
+
+/// What `/tokenize` answers: the ids, or each id with its piece.
+#[derive(Debug, Serialize)]
+pub struct TokenizeResponse {
+    pub tokens: TokenList,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum TokenList {
+    Ids(Vec<u32>),
+    Pieces(Vec<TokenPiece>),
+}
+
+#[derive(Debug, Serialize)]
+pub struct TokenPiece {
+    pub id: u32,
+    pub piece: Piece,
+}
+
+/// A token's bytes: as text where they are UTF-8, else as numbers (a token may hold part of a
+/// character).
+#[derive(Debug, Serialize)]
+#[serde(untagged)]
+pub enum Piece {
+    Text(String),
+    Bytes(Vec<u8>),
+}
+
+/// What `/detokenize` answers.
+#[derive(Debug, Serialize)]
+pub struct DetokenizeResponse {
+    pub content: String,
+}
+
+impl TokenizeRequest {
+    /// The content's tokens, as `Tokenizer::encode` gives them.
+    pub fn tokenize(&self, tokenizer: &Tokenizer) -> Result<TokenizeResponse, ApiError> {
+        let ids = tokenizer
+            .encode(&self.content, self.add_special, self.parse_special)
+            .map_err(|e| ApiError::invalid(e.to_string()))?;
+        let tokens = if self.with_pieces {
+            let piece = |id| match String::from_utf8(tokenizer.token_bytes(id)) {
+                Ok(text) => Piece::Text(text),
+                Err(bytes) => Piece::Bytes(bytes.into_bytes()),
+            };
+            TokenList::Pieces(ids.into_iter().map(|id| TokenPiece { id, piece: piece(id) }).collect())
+        } else {
+            TokenList::Ids(ids)
+        };
+        Ok(TokenizeResponse { tokens })
+    }
+}
+
+impl DetokenizeRequest {
+    /// The tokens' text, as `Tokenizer::decode` gives it.
+    pub fn detokenize(&self, tokenizer: &Tokenizer) -> Result<DetokenizeResponse, ApiError> {
+        in_vocabulary("tokens", &self.tokens, tokenizer.vocab_size())?;
+        Ok(DetokenizeResponse { content: tokenizer.decode(&self.tokens) })
+    }
+}
+
+/// A 400 naming `field` if any of `ids` is past a vocabulary of `n_vocab`.
+pub fn in_vocabulary(field: &str, ids: &[u32], n_vocab: usize) -> Result<(), ApiError> {
+    match ids.iter().find(|&&id| id as usize >= n_vocab) {
+        Some(id) => Err(ApiError::invalid(format!("{field}: token {id} is not in the vocabulary of {n_vocab}"))),
+        None => Ok(()),
+    }
+}
+
 /// A text, texts, a text's tokens, or several texts' tokens.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]

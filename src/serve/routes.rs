@@ -29,13 +29,14 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::api::{
     finish_reason, AssistantMessage, ChatChoice, ChatLogprobs, ChatRequest, ChunkChoice, Completion, CompletionRequest,
-    Delta, Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, EmbeddingVector, IndexedToolCall, ModelCard,
-    ModelList, Options, Params, ResponseFormat, SiftExtension, TextChoice, TextLogprobs, TokenLogprob, Usage, WireCall,
-    WireToolCall,
+    Delta, DetokenizeRequest, Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, EmbeddingVector,
+    IndexedToolCall, ModelCard, ModelList, Options, Params, ResponseFormat, SiftExtension, TextChoice, TextLogprobs,
+    TokenLogprob, TokenizeRequest, Usage, WireCall, WireToolCall,
 };
 use super::error::ApiError;
 use super::worker::{Event, Finished, Prompt, Queue};
 use super::{Config, ServeError};
+use crate::tokenizer::Tokenizer;
 use crate::tools::{with_instructions, Reply, ToolChoice, Toolbox};
 
 /// The chat page: one HTML file, its CSS and JS inline.
@@ -43,6 +44,9 @@ const PAGE: &str = include_str!("page.html");
 
 struct Server {
     queue: Queue,
+    /// The model's tokenizer, for `/tokenize` and `/detokenize` (a copy of the worker's: these
+    /// routes do not wait for the model).
+    tokenizer: Tokenizer,
     config: Config,
     n_ctx: usize,
     /// For the token ids of `logit_bias`.
@@ -58,14 +62,23 @@ pub fn run(
     listener: std::net::TcpListener,
     queue: Queue,
     config: Config,
+    tokenizer: Tokenizer,
     n_ctx: usize,
     (n_vocab, n_embd): (usize, usize),
 ) -> Result<(), ServeError> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(ServeError::Runtime)?;
     let max_body = config.max_body;
     let cors = config.origins.layer();
-    let server =
-        Arc::new(Server { queue, config, n_ctx, n_vocab, n_embd, started: unix_now(), next_id: AtomicU64::new(1) });
+    let server = Arc::new(Server {
+        queue,
+        tokenizer,
+        config,
+        n_ctx,
+        n_vocab,
+        n_embd,
+        started: unix_now(),
+        next_id: AtomicU64::new(1),
+    });
     let app = Router::new()
         .route("/", get(|| async { Html(PAGE) }))
         .route("/health", get(|| async { Json(serde_json::json!({ "status": "ok" })) }))
@@ -74,6 +87,8 @@ pub fn run(
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(embeddings))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
         .layer(middleware::from_fn_with_state(server.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
@@ -216,6 +231,28 @@ async fn embeddings(State(server): State<Arc<Server>>, body: Result<Bytes, Bytes
             Some(_) => Err(out_of_order()),
             None => Err(ApiError::shutting_down()),
         }
+    };
+    handle.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// `POST /tokenize`: the content's tokens (llama.cpp's route), on a thread of the blocking
+/// pool, so that a long text does not hold up the replies being streamed.
+async fn tokenize(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let handle = async {
+        let request: TokenizeRequest = parse(body)?;
+        let tokens = tokio::task::spawn_blocking(move || request.tokenize(&server.tokenizer))
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizing: {e}")))??;
+        Ok(Json(tokens).into_response())
+    };
+    handle.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// `POST /detokenize`: the tokens' text (llama.cpp's route).
+async fn detokenize(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let handle = async {
+        let request: DetokenizeRequest = parse(body)?;
+        Ok(Json(request.detokenize(&server.tokenizer)?).into_response())
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
 }

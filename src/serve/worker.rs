@@ -31,7 +31,7 @@ use crate::engine::EngineError;
 use crate::generate::{Limits, Sampled, StopReason};
 use crate::structured::{Format, Grammar, GrammarCompiler};
 
-use super::api::{Params, TokenLogprob};
+use super::api::{in_vocabulary, Params, TokenLogprob};
 use super::error::ApiError;
 
 /// What a request asks the model to continue.
@@ -208,9 +208,7 @@ impl<'m> Worker<'m> {
                 ),
                 EmbedInput::Tokens(ids) => Cow::Borrowed(&ids[..]),
             };
-            if let Some(id) = ids.iter().find(|&&id| id as usize >= n_vocab) {
-                return Err(ApiError::invalid(format!("input[{i}]: token {id} is not in the vocabulary of {n_vocab}")));
-            }
+            in_vocabulary(&format!("input[{i}]"), &ids, n_vocab)?;
             if ids.is_empty() {
                 return Err(ApiError::invalid(format!("input[{i}] has no tokens")));
             }

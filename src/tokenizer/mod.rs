@@ -41,6 +41,7 @@ pub enum TokenizerError {
 }
 
 /// A model's tokenizer.
+#[derive(Clone)]
 pub struct Tokenizer {
     hf: tokenizers::Tokenizer,
     /// The user-defined tokens alone: what is matched in the raw text when specials are not parsed.

@@ -62,6 +62,7 @@ pub(super) enum Algorithm {
 }
 
 /// What the tokenizer keeps of the vocabulary.
+#[derive(Clone)]
 pub(super) struct Vocab {
     pub tokens: Vec<String>,
     pub attrs: Vec<Attr>,
