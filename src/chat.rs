@@ -201,6 +201,8 @@ const PHI3: &str = r#"
 /// A compiled chat template and the token texts it is rendered with.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The text compiled into `env`.
+    source: String,
     origin: Origin,
     bos_token: String,
     eos_token: String,
@@ -217,9 +219,9 @@ impl ChatTemplate {
             Err(Error::new(ErrorKind::InvalidOperation, message))
         });
         env.add_function("strftime_now", |format: String| strftime(&format, unix_now()));
-        env.add_template_owned("chat", source)
+        env.add_template_owned("chat", source.clone())
             .map_err(|e| ChatError::Compile { origin: origin.clone(), reason: e.to_string() })?;
-        Ok(Self { env, origin, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
+        Ok(Self { env, source, origin, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
     }
 
     /// A built-in template, with the tokenizer's BOS and EOS texts.
@@ -246,6 +248,11 @@ impl ChatTemplate {
 
     pub fn origin(&self) -> &Origin {
         &self.origin
+    }
+
+    /// The template's text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The conversation as the model reads it; `add_generation_prompt` opens the assistant's turn.
@@ -275,7 +282,8 @@ pub fn encode(tokenizer: &Tokenizer, rendered: &str) -> Result<Vec<u32>, Tokeniz
     Ok(ids)
 }
 
-fn special_texts(tokenizer: &Tokenizer) -> (&str, &str) {
+/// The texts of the tokenizer's BOS and EOS tokens (empty where it has none).
+pub(crate) fn special_texts(tokenizer: &Tokenizer) -> (&str, &str) {
     let text = |id: Option<u32>| id.and_then(|id| tokenizer.token_text(id)).unwrap_or("");
     (text(tokenizer.bos()), text(tokenizer.eos()))
 }

@@ -453,6 +453,37 @@ fn the_model_is_retrieved_by_its_name() {
     assert_eq!(error["error"]["code"], "model_not_found", "{error}");
 }
 
+/// `/props` says what the server was started with: the context, the chat template and
+/// special tokens, the sampling a request gets by default.
+#[test]
+fn props_say_what_the_server_was_started_with() {
+    let file = sift::gguf::GgufFile::open(common::default_model()).unwrap();
+    let tokenizer = sift::tokenizer::Tokenizer::from_gguf(&file).unwrap();
+    let server = Server::start(&["-c", "384", "--temp", "0.25", "--top-k", "7", "--repeat-last-n", "33", "-n", "99"]);
+    let (status, props) = server.get("/props", &[]);
+    assert_eq!(status, 200, "{props}");
+    let props: Value = serde_json::from_str(&props).unwrap();
+    let settings = &props["default_generation_settings"];
+    assert_eq!(settings["n_ctx"], 384, "{props}");
+    let params = &settings["params"];
+    assert_eq!((params["temperature"].as_f64(), params["top_k"].as_u64()), (Some(0.25), Some(7)), "{props}");
+    assert_eq!((params["repeat_last_n"].as_u64(), params["n_predict"].as_u64()), (Some(33), Some(99)), "{props}");
+    // The file has no template of its own: the one sift chats with is its built-in Gemma one.
+    assert_eq!(tokenizer.chat_template(), None);
+    let model = sift::model::Model::load(&file).unwrap();
+    let template = sift::chat::ChatTemplate::for_model(&tokenizer, model.hp.arch, None).unwrap();
+    assert_eq!(props["chat_template"], template.source());
+    assert!(template.source().contains("<start_of_turn>"), "{}", template.source());
+    let text = |id: Option<u32>| tokenizer.token_text(id.unwrap()).unwrap();
+    assert_eq!(
+        (props["bos_token"].as_str(), props["eos_token"].as_str()),
+        (Some(text(tokenizer.bos())), Some(text(tokenizer.eos())))
+    );
+    assert_eq!(props["bos_token"], "<bos>");
+    assert_eq!(props["model_alias"], "gemma-3-270m-Q4_K_M");
+    assert_eq!(props["total_slots"], 1);
+}
+
 /// A browser page served from this machine may call the API, a web site only when named by
 /// `--cors-origin`; the key is asked of both.
 #[test]

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::attn::Certificate;
 use crate::audit::{AuditRecord, TOP};
-use crate::chat::Message;
+use crate::chat::{special_texts, ChatTemplate, Message};
 use crate::generate::StopReason;
 use crate::sample::{clock_seed, SamplingParams};
 use crate::structured::Format;
@@ -256,6 +256,84 @@ pub fn in_vocabulary(field: &str, ids: &[u32], n_vocab: usize) -> Result<(), Api
     match ids.iter().find(|&&id| id as usize >= n_vocab) {
         Some(id) => Err(ApiError::invalid(format!("{field}: token {id} is not in the vocabulary of {n_vocab}"))),
         None => Ok(()),
+    }
+}
+
+/// `GET /props`: what llama.cpp's server says of itself, as far as sift has it, for clients that
+/// read the context size, the template or the default sampling from there.
+#[derive(Debug, Serialize)]
+pub struct Props {
+    pub default_generation_settings: GenerationSettings,
+    /// Requests served at once.
+    pub total_slots: usize,
+    pub model_alias: String,
+    pub chat_template: String,
+    pub bos_token: String,
+    pub eos_token: String,
+    pub modalities: Modalities,
+    pub build_info: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct GenerationSettings {
+    pub n_ctx: usize,
+    pub params: DefaultParams,
+}
+
+/// The sampling a request gets for the fields it leaves out.
+#[derive(Debug, Serialize)]
+pub struct DefaultParams {
+    pub temperature: f32,
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repeat_penalty: f32,
+    pub repeat_last_n: usize,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// The most tokens a reply may have.
+    pub n_predict: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Modalities {
+    pub vision: bool,
+    pub audio: bool,
+}
+
+impl Props {
+    pub fn new(
+        model_alias: &str,
+        defaults: &Params,
+        n_ctx: usize,
+        template: &ChatTemplate,
+        tokenizer: &Tokenizer,
+    ) -> Self {
+        let s = &defaults.sampling;
+        let (bos, eos) = special_texts(tokenizer);
+        Self {
+            default_generation_settings: GenerationSettings {
+                n_ctx,
+                params: DefaultParams {
+                    temperature: s.temperature,
+                    top_k: s.top_k,
+                    top_p: s.top_p,
+                    min_p: s.min_p,
+                    repeat_penalty: s.repeat_penalty,
+                    repeat_last_n: s.repeat_last_n,
+                    presence_penalty: s.presence_penalty,
+                    frequency_penalty: s.frequency_penalty,
+                    n_predict: defaults.max_tokens,
+                },
+            },
+            total_slots: 1,
+            model_alias: model_alias.to_string(),
+            chat_template: template.source().to_string(),
+            bos_token: bos.to_string(),
+            eos_token: eos.to_string(),
+            modalities: Modalities { vision: false, audio: false },
+            build_info: format!("sift {}", env!("CARGO_PKG_VERSION")),
+        }
     }
 }
 

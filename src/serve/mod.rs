@@ -2,7 +2,7 @@
 //!
 //! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streamed as server-sent
 //! events with `"stream": true`), `POST /v1/embeddings`, `GET /v1/models`, `GET /health`,
-//! llama.cpp's `POST /tokenize` and `POST /detokenize`, and the chat page at `GET /`.
+//! llama.cpp's `POST /tokenize`, `POST /detokenize` and `GET /props`, and the chat page at `GET /`.
 //! The HTTP side runs on tokio (axum), on a thread of its own; the model runs on the caller's
 //! thread, one request at a time, behind a bounded queue ([`worker`]). The conversation API of
 //! [`crate::conversation`] is shared with `sift chat`, so a request that extends the previous
@@ -75,10 +75,11 @@ pub fn serve(
     let sizes = (hp.n_vocab, hp.n_embd);
     let (cache_ram, pooling) = (config.cache_ram, config.pooling);
     let tokenizer = conversation.tokenizer().clone();
+    let props = api::Props::new(&config.model_id, &config.defaults, n_ctx, &template, &tokenizer);
     let (queue, jobs) = worker::queue(config.queue);
     let http = std::thread::Builder::new()
         .name("sift-http".into())
-        .spawn(move || routes::run(listener, queue, config, tokenizer, n_ctx, sizes))
+        .spawn(move || routes::run(listener, queue, config, (tokenizer, props), n_ctx, sizes))
         .map_err(ServeError::Runtime)?;
     // Until the HTTP side lets go of the queue: after shutdown, or should it fail.
     worker::Worker::new(conversation, template, cache_ram, grammars, pooling).run(jobs);

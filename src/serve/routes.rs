@@ -30,8 +30,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use super::api::{
     finish_reason, AssistantMessage, ChatChoice, ChatLogprobs, ChatRequest, ChunkChoice, Completion, CompletionRequest,
     Delta, DetokenizeRequest, Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, EmbeddingVector,
-    IndexedToolCall, ModelCard, ModelList, Options, Params, ResponseFormat, SiftExtension, TextChoice, TextLogprobs,
-    TokenLogprob, TokenizeRequest, Usage, WireCall, WireToolCall,
+    IndexedToolCall, ModelCard, ModelList, Options, Params, Props, ResponseFormat, SiftExtension, TextChoice,
+    TextLogprobs, TokenLogprob, TokenizeRequest, Usage, WireCall, WireToolCall,
 };
 use super::error::ApiError;
 use super::worker::{Event, Finished, Prompt, Queue};
@@ -47,6 +47,8 @@ struct Server {
     /// The model's tokenizer, for `/tokenize` and `/detokenize` (a copy of the worker's: these
     /// routes do not wait for the model).
     tokenizer: Tokenizer,
+    /// What `/props` answers, made once.
+    props: Props,
     config: Config,
     n_ctx: usize,
     /// For the token ids of `logit_bias`.
@@ -62,7 +64,7 @@ pub fn run(
     listener: std::net::TcpListener,
     queue: Queue,
     config: Config,
-    tokenizer: Tokenizer,
+    (tokenizer, props): (Tokenizer, Props),
     n_ctx: usize,
     (n_vocab, n_embd): (usize, usize),
 ) -> Result<(), ServeError> {
@@ -72,6 +74,7 @@ pub fn run(
     let server = Arc::new(Server {
         queue,
         tokenizer,
+        props,
         config,
         n_ctx,
         n_vocab,
@@ -89,6 +92,7 @@ pub fn run(
         .route("/v1/embeddings", post(embeddings))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/props", get(properties))
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
         .layer(middleware::from_fn_with_state(server.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
@@ -246,6 +250,11 @@ async fn tokenize(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRe
         Ok(Json(tokens).into_response())
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// `GET /props`: the context size, the template, the default sampling (llama.cpp's route).
+async fn properties(State(server): State<Arc<Server>>) -> Response {
+    Json(&server.props).into_response()
 }
 
 /// `POST /detokenize`: the tokens' text (llama.cpp's route).
