@@ -1,10 +1,14 @@
 //! Attention alone on synthetic long-context caches of Llama-3.1-8B's shape
-//! (32 query heads, 8 KV heads of 128, f16 cache with key sketches): dense,
+//! (32 query heads, 8 KV heads of 128, by default an f16 cache with key
+//! sketches): dense,
 //! certified (ε = 0.1, value measure, δ = 0.001) and top-k pages at about
 //! certified's keys read, one after another on the same queries, in one run.
 //!
-//! `cargo bench --bench certified_attention [-- LEN... [--captured FILE]...]`
-//! (default 16384 32768 65536 131072). The caches are drawn as
+//! `cargo bench --bench certified_attention [-- LEN... [--captured FILE]...
+//! [--kv-cache f16,q8,q4,q2]]` (default 16384 32768 65536 131072, the f16
+//! cache). `--kv-cache` takes a comma list, as `sift bench` does: each mode
+//! gets its rows, every policy reading that mode's cache (dense its coded
+//! rows, certified and top-k the coded keys as their sketch). The caches are drawn as
 //! [`synthetic`](sift::attn::certified::synthetic) says: heavy hitters,
 //! recency bias, heavy-tailed scores. `--captured FILE` adds a row per layer
 //! of a capture (`sift run --capture FILE`, [`capture`](sift::attn::capture)):
@@ -62,6 +66,10 @@ impl Tally {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let captured: Vec<&String> = args.windows(2).filter(|w| w[0] == "--captured").map(|w| &w[1]).collect();
+    let modes: Vec<KvMode> = match args.windows(2).find(|w| w[0] == "--kv-cache") {
+        Some(w) => w[1].split(',').map(|m| m.parse().unwrap_or_else(|e| panic!("--kv-cache: {e}"))).collect(),
+        None => vec![KvMode::F16],
+    };
     let lens: Vec<usize> = args.iter().filter_map(|a| a.parse().ok()).collect();
     let lens = if lens.is_empty() && captured.is_empty() { vec![16384, 32768, 65536, 131072] } else { lens };
     println!(
@@ -69,25 +77,28 @@ fn main() {
          | keys read topk | MB/call dense | MB/call certified | MB/call topk | fallbacks |"
     );
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
-    let storage = Storage { mode: KvMode::F16, key_sketch: true, ..Storage::default() };
-    for len in lens {
-        let mut cache = SyntheticCache::new(SyntheticShape::llama_8b(len), storage, 1);
-        let queries: Vec<Vec<f32>> = (0..=STEPS).map(|_| cache.queries()).collect();
-        let batches: Vec<AttentionBatch> = queries.iter().map(|q| cache.decoding_batch(q)).collect();
-        compare(&format!("synthetic {len}"), &cache.layer, &batches);
-    }
-    for path in captured {
-        let capture = Captured::read(path.as_ref()).unwrap_or_else(|e| panic!("{e}"));
-        for layer in &capture.layers {
-            let cache = layer.cache(storage);
-            let calls = &layer.calls[layer.calls.len().saturating_sub(STEPS + 1)..];
-            assert!(calls.len() > 1, "{path}: layer {} has {} calls, at least 2 needed", layer.layer, calls.len());
-            let rows: Vec<_> =
-                calls.iter().map(|c| (layer.row_keys(c.position), layer.row_values(c.position))).collect();
-            let batches: Vec<AttentionBatch> =
-                calls.iter().zip(&rows).map(|(call, (keys, values))| layer.batch(call, keys, values)).collect();
-            let last = calls[calls.len() - 1].position + 1;
-            compare(&format!("captured layer {} at {last}", layer.layer), &cache, &batches);
+    for mode in modes {
+        // The f16 cache's key sketch; the quantized modes' coded keys are their own.
+        let storage = Storage { mode, key_sketch: true, ..Storage::default() };
+        for &len in &lens {
+            let mut cache = SyntheticCache::new(SyntheticShape::llama_8b(len), storage, 1);
+            let queries: Vec<Vec<f32>> = (0..=STEPS).map(|_| cache.queries()).collect();
+            let batches: Vec<AttentionBatch> = queries.iter().map(|q| cache.decoding_batch(q)).collect();
+            compare(&format!("synthetic {len}, {mode}"), &cache.layer, &batches);
+        }
+        for path in &captured {
+            let capture = Captured::read(path.as_ref()).unwrap_or_else(|e| panic!("{e}"));
+            for layer in &capture.layers {
+                let cache = layer.cache(storage);
+                let calls = &layer.calls[layer.calls.len().saturating_sub(STEPS + 1)..];
+                assert!(calls.len() > 1, "{path}: layer {} has {} calls, at least 2 needed", layer.layer, calls.len());
+                let rows: Vec<_> =
+                    calls.iter().map(|c| (layer.row_keys(c.position), layer.row_values(c.position))).collect();
+                let batches: Vec<AttentionBatch> =
+                    calls.iter().zip(&rows).map(|(call, (keys, values))| layer.batch(call, keys, values)).collect();
+                let last = calls[calls.len() - 1].position + 1;
+                compare(&format!("captured layer {} at {last}, {mode}", layer.layer), &cache, &batches);
+            }
         }
     }
 }
