@@ -48,10 +48,12 @@
 //!   `δ_c` and `ε_c` are within `5u(|a_c| + |α·â_c|)` of the exact
 //!   `a_c − α·â_c` and `δ_c − α₂·r̂_c` (`u = 2^-24`);
 //!   a sum of `n` terms in any order errs by at most `γ_n ≤ 1.01·n·u` of the
-//!   sum of their magnitudes. All of it lies below `5.05·(d + 8)·u·A`, `A`
+//!   sum of their magnitudes (`n` here counts the weights, the channels
+//!   padded with zeros to whole code bytes; the zeros add no rounding).
+//!   All of it lies below `5.05·(n + 8)·u·A`, `A`
 //!   bounding the magnitudes of every term
 //!   (`Σ |q_c·min_c| + G·Σ (|a_c| + |α·â_c|)`, `G` the largest factor a
-//!   channel's `a` or `δ` is multiplied by, plus 1); `8·(d + 8)·u·A` is
+//!   channel's `a` or `δ` is multiplied by, plus 1); `8·(n + 8)·u·A` is
 //!   added, which also covers the rounding of `A` itself.
 //! * f32 per key, `fl(fl(β·fl(I)) + C)`: three roundings (six for the
 //!   refinement's two products) err by at most `7u·(|β·I| + |C|)`, plus
@@ -434,11 +436,29 @@ impl KeySketch {
         row(self.keys.scanned()) + if self.refines() { row(Bits::Four) } else { 0 }
     }
 
-    /// The channels' minima then steps, in f32, as [`ScanQuery::prepare_with`]
-    /// takes them.
+    /// The channels' minima then steps, in f32, in channel order: what
+    /// [`Self::weight_order`] puts in the scan's order.
     pub fn affine_f32(&self, out: &mut Vec<f32>) {
         out.resize(2 * self.dim, 0.0);
         self.affine.convert_to_f32_slice(out);
+    }
+
+    /// `channels` (one number per channel, or several runs of them end to
+    /// end) in the scan's weight order, each run padded with zeros to whole
+    /// code bytes ([`simd::SketchLayout::weight_slot`]): how
+    /// [`ScanQuery::prepare_with`] takes a query and a page's minima and
+    /// steps, so that the weights it computes come out in the order the scan
+    /// reads them. Every page of a cache has the same order, so a query is
+    /// put in it once.
+    pub fn weight_order(&self, channels: &[f32], out: &mut Vec<f32>) {
+        let layout = self.scan_layout();
+        let (fields, row_bytes) = (layout.fields(), layout.row_bytes());
+        out.clear();
+        for run in channels.chunks_exact(self.dim) {
+            for field in 0..fields {
+                out.extend((0..row_bytes).map(|b| run.get(b * fields + field).copied().unwrap_or(0.0)));
+            }
+        }
     }
 
     /// An upper bound on `q·k` over every key of the page, from the
@@ -485,52 +505,36 @@ pub struct ScanQuery {
     upper: f32,
     /// The 8-bit bound's constants (where the sketch keeps 8 bits).
     fine: FineConstants,
-    /// The weights and residuals in channel order, padded to whole code
-    /// bytes.
-    channel_weights: Vec<i8>,
-    channel_residuals: Vec<i8>,
 }
 
 impl ScanQuery {
-    /// Prepares `q` for `sketch`'s page.
+    /// Prepares `q` (in channel order) for `sketch`'s page.
     pub fn prepare(&mut self, sketch: &KeySketch, q: &[f32]) {
-        let mut affine = Vec::new();
+        assert_eq!(q.len(), sketch.dim, "query and keys differ in size");
+        let (mut affine, mut ordered_affine, mut ordered_q) = (Vec::new(), Vec::new(), Vec::new());
         sketch.affine_f32(&mut affine);
-        self.prepare_with(sketch, q, &affine);
+        sketch.weight_order(&affine, &mut ordered_affine);
+        sketch.weight_order(q, &mut ordered_q);
+        self.prepare_with(sketch, &ordered_q, &ordered_affine);
     }
 
     /// Prepares `q` for `sketch`'s page, whose minima and steps `affine`
-    /// holds ([`KeySketch::affine_f32`]: the query heads of a KV head share
-    /// them). All in f32, each sum in the kernel's 16 lanes; the module's note
-    /// derives the slack that makes the constants bounds.
+    /// holds, both in the scan's weight order ([`KeySketch::weight_order`]
+    /// of the query and of [`KeySketch::affine_f32`]; the query heads of a
+    /// KV head share the page's). All in f32, each sum in the kernel's 16
+    /// lanes; the module's note derives the slack that makes the constants
+    /// bounds (the padding's zeros add nothing to any sum).
     pub fn prepare_with(&mut self, sketch: &KeySketch, q: &[f32], affine: &[f32]) {
-        let dim = sketch.dim;
-        assert_eq!(q.len(), dim, "query and keys differ in size");
-        assert_eq!(affine.len(), 2 * dim, "a minimum and a step per channel");
-        let (min, step) = affine.split_at(dim);
         let layout = sketch.scan_layout();
-        for channel in [&mut self.channel_weights, &mut self.channel_residuals] {
-            channel.clear();
-            channel.resize(layout.weights_len(), 0);
-        }
-        let (scales, sums) = simd::kernels().sketch_prepare(
-            q,
-            min,
-            step,
-            &mut self.channel_weights[..dim],
-            &mut self.channel_residuals[..dim],
-        );
+        let n = layout.weights_len();
+        assert_eq!(q.len(), n, "the query in the scan's order");
+        assert_eq!(affine.len(), 2 * n, "a minimum and a step per weight, in the scan's order");
+        let (min, step) = affine.split_at(n);
+        // Every weight is written by the kernel.
+        self.weights.resize(n, 0);
+        self.residuals.resize(n, 0);
+        let (scales, sums) = simd::kernels().sketch_prepare(q, min, step, &mut self.weights, &mut self.residuals);
         let (alpha, alpha2) = (scales.alpha, scales.alpha2);
-        for (planes, channel) in
-            [(&mut self.weights, &self.channel_weights), (&mut self.residuals, &self.channel_residuals)]
-        {
-            // Every plane byte is written below.
-            planes.resize(layout.weights_len(), 0);
-            match layout.fields() {
-                2 => into_planes::<2>(channel, planes),
-                _ => into_planes::<4>(channel, planes),
-            }
-        }
 
         let bits = sketch.keys.scanned();
         let (span, top) = (bits.span() as f32, f32::from(bits.max_code()));
@@ -552,7 +556,8 @@ impl ScanQuery {
             residuals,
         } = sums;
         let magnitude = centre_abs + scaled_abs * (1.0 + offset + width + span * top + 3.0 * 255.0 + fine_width);
-        let set_up = (dim as f32 + 8.0) * 2f32.powi(-21) * magnitude + (dim as f32 + 2.0) * 2f32.powi(-22) * dot;
+        let (terms, dim) = (n as f32, sketch.dim as f32);
+        let set_up = (terms + 8.0) * 2f32.powi(-21) * magnitude + (dim + 2.0) * 2f32.powi(-22) * dot;
         // The scanned codes: β·I + centre + offset·Σa ± (span·top·δ± + width·Σ|a|).
         self.beta = alpha * span;
         let coarse = Constants {
@@ -593,18 +598,6 @@ impl ScanQuery {
     /// The query as the SIMD refinement of a page takes it.
     fn refine_view(&self) -> RefineQuery<'_> {
         RefineQuery { scan: self.view(), residuals: &self.residuals, fine: self.fine }
-    }
-}
-
-/// Weights in channel order (padded to whole code bytes) into the scan's
-/// planes: plane `j` holds field `j` of every code byte.
-fn into_planes<const FIELDS: usize>(channel: &[i8], planes: &mut [i8]) {
-    let row_bytes = planes.len() / FIELDS;
-    let (bytes, _) = channel[..row_bytes * FIELDS].as_chunks::<FIELDS>();
-    for (j, plane) in planes.chunks_exact_mut(row_bytes).enumerate() {
-        for (w, byte) in plane.iter_mut().zip(bytes) {
-            *w = byte[j];
-        }
     }
 }
 

@@ -230,7 +230,12 @@ pub fn group_threads(call: &LayerCall) -> usize {
 struct Stretch {
     /// The group's queries prepared for the page being scanned.
     prepared: Vec<ScanQuery>,
+    /// The group's queries in the scan's weight order (the same for every
+    /// sketched page), once a stretch.
+    ordered_queries: Vec<f32>,
+    /// The page's minima and steps, in channel order, then in the scan's.
     affine: Vec<f32>,
+    ordered_affine: Vec<f32>,
     page_bounds: Vec<Bounds>,
     /// The fields of a page's refined bounds ([`RefinedRows::of`]).
     refined_bounds: Vec<f32>,
@@ -256,6 +261,7 @@ impl Stretch {
         self.perturbed.resize(n_gqa * len, f32::INFINITY);
         self.lower_max.clear();
         self.lower_max.resize(n_gqa, f64::NEG_INFINITY);
+        self.ordered_queries.clear();
         (self.bytes, self.refines) = (0, false);
         self.prepared.resize_with(n_gqa, ScanQuery::default);
         self.page_bounds.resize(n_gqa * PAGE, Bounds::default());
@@ -274,9 +280,14 @@ impl Stretch {
             if let Some(next) = cache.sketch(kv_head, page + 1) {
                 next.prefetch();
             }
+            if self.ordered_queries.is_empty() {
+                sketch.weight_order(&group.queries, &mut self.ordered_queries);
+            }
             sketch.affine_f32(&mut self.affine);
-            for (prepared, q) in self.prepared.iter_mut().zip(group.queries.chunks_exact(dim)) {
-                prepared.prepare_with(sketch, q, &self.affine);
+            sketch.weight_order(&self.affine, &mut self.ordered_affine);
+            let ordered = self.ordered_queries.chunks_exact(self.ordered_queries.len() / n_gqa);
+            for (prepared, q) in self.prepared.iter_mut().zip(ordered) {
+                prepared.prepare_with(sketch, q, &self.ordered_affine);
             }
             let refines = sketch.refines();
             self.refines |= refines;
