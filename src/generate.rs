@@ -45,6 +45,8 @@ pub struct Generated {
     /// The text streamed, a stop string's excluded.
     pub text: String,
     pub stop: StopReason,
+    /// Which of the limits' stop strings ended the text, where one did.
+    pub stop_string: Option<usize>,
     /// The sampler's seed.
     pub seed: u64,
     /// Tokens prefilled before the first one was sampled.
@@ -187,6 +189,7 @@ pub fn generate(
         tokens: Vec::new(),
         text: String::new(),
         stop: StopReason::TokenLimit,
+        stop_string: None,
         seed: sampler.params().seed,
         prompt_tokens: prompt.len(),
         prefill_time,
@@ -242,9 +245,9 @@ pub fn generate(
         out.tokens.push(token);
         match stops.push(&text) {
             Scan::Go(text) => emit(&mut out, &text),
-            Scan::Stop(text) => {
+            Scan::Stop(text, which) => {
                 emit(&mut out, &text);
-                out.stop = StopReason::StopString;
+                (out.stop, out.stop_string) = (StopReason::StopString, Some(which));
                 out.count_rectifications(session.rectify_stats().since(&rectified));
                 return Ok(out);
             }
@@ -266,9 +269,9 @@ pub fn generate(
             emit(&mut out, &text);
             emit(&mut out, &stops.finish());
         }
-        Scan::Stop(text) => {
+        Scan::Stop(text, which) => {
             emit(&mut out, &text);
-            out.stop = StopReason::StopString;
+            (out.stop, out.stop_string) = (StopReason::StopString, Some(which));
         }
     }
     out.count_rectifications(session.rectify_stats().since(&rectified));
@@ -285,8 +288,9 @@ struct StopStrings<'a> {
 enum Scan {
     /// Text that is safe to stream.
     Go(String),
-    /// A stop string was found: the text before it, still to stream.
-    Stop(String),
+    /// A stop string was found: the text before it, still to stream, and which string it was
+    /// (the one that starts first; of those, the first given).
+    Stop(String, usize),
 }
 
 impl<'a> StopStrings<'a> {
@@ -296,10 +300,13 @@ impl<'a> StopStrings<'a> {
 
     fn push(&mut self, text: &str) -> Scan {
         self.held.push_str(text);
-        let found = self.stops.iter().filter(|s| !s.is_empty()).filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(at) = found {
+        let found = (self.stops.iter().enumerate())
+            .filter(|(_, s)| !s.is_empty())
+            .filter_map(|(i, s)| Some((self.held.find(s.as_str())?, i)))
+            .min();
+        if let Some((at, which)) = found {
             self.held.truncate(at);
-            return Scan::Stop(std::mem::take(&mut self.held));
+            return Scan::Stop(std::mem::take(&mut self.held), which);
         }
         // The longest tail of the held text that some stop string starts with stays held.
         let keep_from = self.held.char_indices().map(|(i, _)| i).find(|&i| {
@@ -329,7 +336,7 @@ mod tests {
         for piece in pieces {
             match matcher.push(piece) {
                 Scan::Go(text) => out += &text,
-                Scan::Stop(text) => return (out + &text, true),
+                Scan::Stop(text, _) => return (out + &text, true),
             }
         }
         (out + &matcher.finish(), false)

@@ -484,6 +484,107 @@ fn props_say_what_the_server_was_started_with() {
     assert_eq!(props["total_slots"], 1);
 }
 
+/// `/v1/messages` (Anthropic's API) replies as `/v1/chat/completions` does to the same turns,
+/// whole and streamed, stops at a stop sequence and names it, takes the key as `x-api-key`, and
+/// answers errors in Anthropic's shape.
+#[test]
+fn anthropic_messages_reply_as_chat_completions_do() {
+    common::default_model();
+    let server = Server::start(&["--api-key", "k"]);
+    let post = |path: &str, body: &Value, headers: &[(&str, &str)]| {
+        let (status, text, _) = server.post_raw(path, body.to_string().as_bytes(), headers);
+        (status, serde_json::from_str::<Value>(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
+    };
+    let (system, user) = ("Answer in one short sentence.", "What is the capital of France?");
+    let chat = json!({
+        "messages": [{ "role": "system", "content": system }, { "role": "user", "content": user }],
+        "temperature": 0, "max_tokens": 24,
+    });
+    let (status, chat) = post("/v1/chat/completions", &chat, &[("Authorization", "Bearer k")]);
+    assert_eq!(status, 200, "{chat}");
+    let want = content(&chat).to_string();
+    assert!(!want.is_empty());
+    let request = json!({
+        "model": "claude-anything", "max_tokens": 24, "temperature": 0,
+        "system": [{ "type": "text", "text": system }],
+        "messages": [{ "role": "user", "content": [{ "type": "text", "text": user }] }],
+    });
+    let key = [("x-api-key", "k"), ("anthropic-version", "2023-06-01")];
+    let (status, message) = post("/v1/messages", &request, &key);
+    assert_eq!(status, 200, "{message}");
+    assert_eq!((message["type"].as_str(), message["role"].as_str()), (Some("message"), Some("assistant")));
+    assert_eq!(message["content"], json!([{ "type": "text", "text": want }]), "{message}");
+    let stop = match chat["choices"][0]["finish_reason"].as_str() {
+        Some("length") => "max_tokens",
+        Some("stop") => "end_turn",
+        other => panic!("finish reason {other:?}"),
+    };
+    assert_eq!(message["stop_reason"], stop, "{message}");
+    assert_eq!(message["usage"]["input_tokens"], chat["usage"]["prompt_tokens"]);
+    assert_eq!(message["usage"]["output_tokens"], chat["usage"]["completion_tokens"]);
+
+    // Streamed: the named events in Anthropic's order, their deltas the whole reply.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let events = server.named_events("/v1/messages", &streamed, &key);
+    let names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
+    let deltas = names.iter().filter(|&&n| n == "content_block_delta").count();
+    assert!(deltas > 0, "{names:?}");
+    let mut order = vec!["message_start", "content_block_start"];
+    order.extend(std::iter::repeat_n("content_block_delta", deltas));
+    order.extend(["content_block_stop", "message_delta", "message_stop"]);
+    assert_eq!(names, order);
+    for (name, data) in &events {
+        assert_eq!(data["type"], name.as_str(), "{data}");
+    }
+    let text: String = events.iter().filter_map(|(_, data)| data["delta"]["text"].as_str()).collect();
+    assert_eq!(text, want);
+    let (_, end) = &events[events.len() - 2];
+    assert_eq!(
+        (end["delta"]["stop_reason"].as_str(), end["usage"]["output_tokens"].as_u64()),
+        (Some(stop), chat["usage"]["completion_tokens"].as_u64())
+    );
+
+    // A stop sequence from within the reply ends it there, and is named.
+    let word = want.split_whitespace().nth(2).expect("a reply of three words or more");
+    let mut stopped = request.clone();
+    stopped["stop_sequences"] = json!(["never in the reply", word]);
+    let (status, message) = post("/v1/messages", &stopped, &key);
+    assert_eq!(status, 200, "{message}");
+    assert_eq!(
+        (message["stop_reason"].as_str(), message["stop_sequence"].as_str()),
+        (Some("stop_sequence"), Some(word))
+    );
+    assert_eq!(message["content"][0]["text"].as_str(), Some(&want[..want.find(word).unwrap()]));
+
+    // Errors, in Anthropic's shape.
+    let error = |status: u16, body: &Value, kind: &str, needle: &str| {
+        assert_eq!((body["type"].as_str(), body["error"]["type"].as_str()), (Some("error"), Some(kind)), "{body}");
+        assert!(body["error"]["message"].as_str().unwrap().contains(needle), "{status}: {body}");
+    };
+    let (status, body) = post("/v1/messages", &request, &[("x-api-key", "wrong")]);
+    assert_eq!(status, 401);
+    error(status, &body, "authentication_error", "API key");
+    for (change, needle) in [
+        (json!({ "max_tokens": null }), "not a valid request"),
+        (json!({ "messages": [{ "role": "user", "content": [{ "type": "image", "source": {} }] }] }), "\"image\""),
+        (json!({ "messages": [{ "role": "system", "content": "x" }] }), "\"system\""),
+        (json!({ "tools": [{ "name": "f", "input_schema": {} }] }), "tools"),
+        (json!({ "temperature": 1.5 }), "temperature"),
+    ] {
+        let mut bad = request.clone();
+        for (field, value) in change.as_object().unwrap() {
+            bad[field] = value.clone();
+        }
+        if bad["max_tokens"].is_null() {
+            bad.as_object_mut().unwrap().remove("max_tokens");
+        }
+        let (status, body) = post("/v1/messages", &bad, &key);
+        assert_eq!(status, 400, "{bad}: {body}");
+        error(status, &body, "invalid_request_error", needle);
+    }
+}
+
 /// A browser page served from this machine may call the API, a web site only when named by
 /// `--cors-origin`; the key is asked of both.
 #[test]

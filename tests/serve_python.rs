@@ -1,11 +1,17 @@
-//! The official `openai` Python client talking to `sift serve`, whole and streamed: both give the
+//! The official Python clients talking to `sift serve`.
+//!
+//! `openai`, whole and streamed: both give the
 //! greedy reply of `sift run --chat`, and a reply held to a JSON Schema through `response_format`
 //! (or the client's `parse` with a Pydantic model) gives `sift run --chat --json-schema`'s; a
 //! required tool call, whole and streamed, calls the tool with arguments valid under its schema;
 //! an embedding comes back the same through the client's default base64 as in floats.
-//! The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a
-//! virtual environment with `openai` in it), else `python3`; without the package the test says
-//! it is skipped, except under CI, where it fails.
+//!
+//! `anthropic`, through `/v1/messages`, whole and streamed: the reply `/v1/chat/completions` gives
+//! to the same system prompt and message.
+//!
+//! The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a virtual environment with both
+//! packages in it), else `python3`; without a package its test says it is skipped, except under
+//! CI, where it fails.
 
 mod common;
 
@@ -14,15 +20,21 @@ use std::process::Command;
 use common::server::Server;
 use serde_json::Value;
 
+/// The interpreter with `package`, or None (outside CI) where it lacks it.
+fn python_with(package: &str) -> Option<String> {
+    let python = std::env::var("SIFT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let import = format!("import {package}");
+    if Command::new(&python).args(["-c", &import]).output().is_ok_and(|o| o.status.success()) {
+        return Some(python);
+    }
+    assert!(std::env::var_os("CI").is_none(), "{python} cannot import {package}; .ci/run installs it");
+    eprintln!("SKIPPED the {package} client test: {python} cannot import {package} (pip install {package})");
+    None
+}
+
 #[test]
 fn the_openai_python_client_gets_the_greedy_reply_whole_and_streamed() {
-    let python = std::env::var("SIFT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_openai = Command::new(&python).args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
-    if !has_openai {
-        assert!(std::env::var_os("CI").is_none(), "{python} cannot import openai; .ci/run installs it");
-        eprintln!("SKIPPED the openai client test: {python} cannot import openai (pip install openai)");
-        return;
-    }
+    let Some(python) = python_with("openai") else { return };
     let model = common::default_model();
     let message = "Name three colours.";
     let schema = r#"{"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string",
@@ -72,4 +84,38 @@ fn the_openai_python_client_gets_the_greedy_reply_whole_and_streamed() {
     assert!((norm - 1.0).abs() < 1e-4, "{norm}");
     let finish = if reference["stop"] == "token_limit" { "length" } else { "stop" };
     assert_eq!((got["whole_finish"].as_str(), got["streamed_finish"].as_str()), (Some(finish), Some(finish)));
+}
+
+#[test]
+fn the_anthropic_python_client_gets_chat_completions_reply_whole_and_streamed() {
+    let Some(python) = python_with("anthropic") else { return };
+    common::default_model();
+    let (system, message, max_tokens) = ("Answer in one short sentence.", "Name a large animal.", 20);
+    // Greedy by default, as the client sends no temperature.
+    let server = Server::start(&["--api-key", "sesame", "--temp", "0"]);
+    let chat = serde_json::json!({
+        "messages": [{ "role": "system", "content": system }, { "role": "user", "content": message }],
+        "max_tokens": max_tokens,
+    });
+    let (status, text, _) =
+        server.post_raw("/v1/chat/completions", chat.to_string().as_bytes(), &[("Authorization", "Bearer sesame")]);
+    assert_eq!(status, 200, "{text}");
+    let chat: Value = serde_json::from_str(&text).unwrap();
+    let want = &chat["choices"][0]["message"]["content"];
+    let stop = if chat["choices"][0]["finish_reason"] == "length" { "max_tokens" } else { "end_turn" };
+
+    let script = common::repo_root().join("tests/serve_anthropic.py");
+    let o = Command::new(&python)
+        .arg(script)
+        .args([&server.base, system, message, &max_tokens.to_string()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!((&got["whole"], &got["streamed"], &got["final"]), (want, want, want), "{got}");
+    assert!(got["streamed_pieces"].as_u64().unwrap() > 2, "{got}");
+    assert_eq!((got["whole_stop"].as_str(), got["final_stop"].as_str()), (Some(stop), Some(stop)), "{got}");
+    assert_eq!(got["input_tokens"], chat["usage"]["prompt_tokens"]);
+    assert_eq!(got["output_tokens"], chat["usage"]["completion_tokens"]);
+    assert_eq!(got["final_output_tokens"], chat["usage"]["completion_tokens"]);
 }

@@ -25,7 +25,7 @@ pub struct ServeArgs {
     /// Port to listen on; 0 picks a free one (the address is printed on stdout)
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Require `Authorization: Bearer KEY` on every route but /health and the chat page
+    /// Require `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every route but /health and the chat page
     #[arg(long, env = "SIFT_API_KEY", value_name = "KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// Requests that may wait while one is served; more get 503 with Retry-After

@@ -34,7 +34,7 @@ impl ApiError {
     }
 
     pub fn unauthorized() -> Self {
-        let message = "a valid API key is required: send `Authorization: Bearer KEY`";
+        let message = "a valid API key is required: send `Authorization: Bearer KEY` (or `x-api-key: KEY`)";
         Self::new(StatusCode::UNAUTHORIZED, "authentication_error", Some("invalid_api_key"), message)
     }
 

@@ -2,7 +2,8 @@
 //!
 //! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streamed as server-sent
 //! events with `"stream": true`), `POST /v1/embeddings`, `GET /v1/models`, `GET /health`,
-//! llama.cpp's `POST /tokenize`, `POST /detokenize` and `GET /props`, and the chat page at `GET /`.
+//! llama.cpp's `POST /tokenize`, `POST /detokenize` and `GET /props`, Anthropic's `POST /v1/messages`
+//! ([`anthropic`]), and the chat page at `GET /`.
 //! The HTTP side runs on tokio (axum), on a thread of its own; the model runs on the caller's
 //! thread, one request at a time, behind a bounded queue ([`worker`]). The conversation API of
 //! [`crate::conversation`] is shared with `sift chat`, so a request that extends the previous
@@ -14,6 +15,7 @@
 //! limited in size (413). Ctrl-C or SIGTERM stops taking connections, lets the reply in flight
 //! finish, and returns.
 
+mod anthropic;
 mod api;
 mod cors;
 mod error;

@@ -27,6 +27,9 @@ use subtle::ConstantTimeEq;
 use tokio::sync::mpsc::{channel, UnboundedReceiver};
 use tokio_stream::wrappers::ReceiverStream;
 
+use super::anthropic::{
+    self, ErrorDetail, MessageResponse, MessageUsage, MessagesRequest, OutputUsage, StopDelta, StreamEvent, TextBlock,
+};
 use super::api::{
     finish_reason, AssistantMessage, ChatChoice, ChatLogprobs, ChatRequest, ChunkChoice, Completion, CompletionRequest,
     Delta, DetokenizeRequest, Embedding, EmbeddingList, EmbeddingRequest, EmbeddingUsage, EmbeddingVector,
@@ -90,6 +93,7 @@ pub fn run(
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(embeddings))
+        .route("/v1/messages", post(messages))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/props", get(properties))
@@ -125,15 +129,19 @@ async fn shutdown_signal() {
 async fn authorize(State(server): State<Arc<Server>>, request: Request, next: Next) -> Response {
     let open = matches!(request.uri().path(), "/" | "/health");
     if let (Some(key), false) = (&server.config.api_key, open) {
-        let given = request
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|value| value.to_str().ok())
+        let headers = request.headers();
+        let text = |name| headers.get(name).and_then(|value: &header::HeaderValue| value.to_str().ok());
+        // OpenAI's clients send the key as a bearer token, Anthropic's as `x-api-key`.
+        let given = text(header::AUTHORIZATION.as_str())
             .and_then(|value| value.strip_prefix("Bearer "))
+            .or_else(|| text("x-api-key"))
             .unwrap_or("");
         // Constant time in the key's content (a length that differs fails at once).
         if !bool::from(given.as_bytes().ct_eq(key.as_bytes())) {
-            return ApiError::unauthorized().into_response();
+            return match request.uri().path() {
+                "/v1/messages" => anthropic::error_response(ApiError::unauthorized()),
+                _ => ApiError::unauthorized().into_response(),
+            };
         }
     }
     next.run(request).await
@@ -250,6 +258,47 @@ async fn tokenize(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRe
         Ok(Json(tokens).into_response())
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// `POST /v1/messages`: Anthropic's Messages API ([`anthropic`]), whole or streamed.
+async fn messages(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
+    let handle = async {
+        let request: MessagesRequest = parse(body)?;
+        let conversation = request.conversation()?;
+        let params = request.params(&server.config.defaults, server.n_vocab)?;
+        let stops = params.stop.clone();
+        let mut events = server.queue.submit(Prompt::Chat(conversation), params)?;
+        let usage = started(&mut events).await?;
+        let message = MessageResponse {
+            id: server.new_id("msg"),
+            kind: "message",
+            role: "assistant",
+            model: server.config.model_id.clone(),
+            content: Vec::new(),
+            stop_reason: None,
+            stop_sequence: None,
+            usage: MessageUsage {
+                input_tokens: usage.prompt_tokens,
+                output_tokens: 0,
+                cache_read_input_tokens: usage.prompt_tokens_details.cached_tokens,
+            },
+        };
+        if request.stream {
+            return Ok(stream_message(message, stops, events));
+        }
+        let Gathered { text, finished, .. } = gather(events).await?;
+        let (stop_reason, stop_sequence) = anthropic::stop_reason(&finished, &stops);
+        let usage = MessageUsage { output_tokens: finished.completion_tokens, ..message.usage };
+        let message = MessageResponse {
+            content: vec![TextBlock::new(text)],
+            stop_reason: Some(stop_reason),
+            stop_sequence,
+            usage,
+            ..message
+        };
+        Ok(Json(message).into_response())
+    };
+    handle.await.unwrap_or_else(anthropic::error_response)
 }
 
 /// `GET /props`: the context size, the template, the default sampling (llama.cpp's route).
@@ -590,6 +639,67 @@ fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Resp
                 }
                 Event::Embedded { .. } => {
                     send(json(&out_of_order().body())).await;
+                    return;
+                }
+            };
+            if !sent {
+                return;
+            }
+        }
+    });
+    Sse::new(ReceiverStream::new(body)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// A Messages API reply as Anthropic's named server-sent events: the message (empty), its one
+/// text block opened, a delta per piece of text, the block closed, the stop reason and tokens
+/// generated, the end. As [`stream`], it ends when the client goes away.
+fn stream_message(message: MessageResponse, stops: Vec<String>, mut events: UnboundedReceiver<Event>) -> Response {
+    let (sse, body) = channel::<Result<SseEvent, Infallible>>(64);
+    tokio::spawn(async move {
+        let send = |event: StreamEvent| {
+            let sse = sse.clone();
+            async move { sse.send(Ok(SseEvent::default().event(event.name()).data(json(&event)))).await.is_ok() }
+        };
+        let opening = [
+            StreamEvent::MessageStart { message },
+            StreamEvent::ContentBlockStart { index: 0, content_block: TextBlock::new(String::new()) },
+        ];
+        for event in opening {
+            if !send(event).await {
+                return;
+            }
+        }
+        while let Some(event) = tokio::select! {
+            event = events.recv() => event,
+            () = sse.closed() => None,
+        } {
+            let sent = match event {
+                Event::Started { .. } | Event::Token(_) => true,
+                Event::Text(text) if text.is_empty() => true,
+                Event::Text(text) => send(StreamEvent::text(text)).await,
+                Event::Finished(finished) => {
+                    let (stop_reason, stop_sequence) = anthropic::stop_reason(&finished, &stops);
+                    let closing = [
+                        StreamEvent::ContentBlockStop { index: 0 },
+                        StreamEvent::MessageDelta {
+                            delta: StopDelta { stop_reason, stop_sequence },
+                            usage: OutputUsage { output_tokens: finished.completion_tokens },
+                        },
+                        StreamEvent::MessageStop,
+                    ];
+                    for event in closing {
+                        if !send(event).await {
+                            break;
+                        }
+                    }
+                    return;
+                }
+                Event::Failed(e) => {
+                    send(StreamEvent::Error { error: ErrorDetail::of(&e) }).await;
+                    return;
+                }
+                Event::Embedded { .. } => {
+                    send(StreamEvent::Error { error: ErrorDetail::of(&out_of_order()) }).await;
                     return;
                 }
             };

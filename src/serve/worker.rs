@@ -85,6 +85,8 @@ pub enum Event {
 #[derive(Debug, Clone, Copy)]
 pub struct Finished {
     pub stop: StopReason,
+    /// Which of the request's stop strings ended the reply, where one did.
+    pub stop_string: Option<usize>,
     pub completion_tokens: usize,
     /// The weakest certificate of the steps that sampled the reply's tokens.
     pub attention: Certificate,
@@ -286,6 +288,7 @@ impl<'m> Worker<'m> {
         })?;
         let _ = send(Event::Finished(Finished {
             stop: generated.stop,
+            stop_string: generated.stop_string,
             completion_tokens: generated.tokens.len(),
             attention,
             prefill_tok_s: generated.prefill_tok_s(),

@@ -123,6 +123,33 @@ impl Server {
         Events { reader: BufReader::new(Box::new(response.into_body().into_reader())) }
     }
 
+    /// POSTs a streaming request with `headers` and reads its named server-sent events (Anthropic's
+    /// kind, with no `[DONE]`) to the end of the stream: each event's name and data.
+    pub fn named_events(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+        headers: &[(&str, &str)],
+    ) -> Vec<(String, serde_json::Value)> {
+        let mut request = self.agent.post(self.url(path)).header("Content-Type", "application/json");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let response = request.send(body.to_string().as_bytes()).expect("POST a stream");
+        assert_eq!(response.status().as_u16(), 200);
+        let (mut events, mut name) = (Vec::new(), None);
+        for line in BufReader::new(response.into_body().into_reader()).lines() {
+            let line = line.expect("read the stream");
+            if let Some(event) = line.strip_prefix("event:") {
+                name = Some(event.trim().to_string());
+            } else if let Some(data) = line.strip_prefix("data:") {
+                let data = serde_json::from_str(data.trim()).unwrap_or_else(|e| panic!("{e}: {data}"));
+                events.push((name.take().expect("an event name before its data"), data));
+            }
+        }
+        events
+    }
+
     /// Stops the server as Ctrl-C would have, with SIGTERM.
     pub fn terminate(&self) {
         let status = Command::new("kill").args(["-TERM", &self.pid().to_string()]).status().unwrap();
@@ -182,12 +209,12 @@ impl Events {
     }
 }
 
-/// The text of a streamed chat completion: its deltas, joined.
 fn cors_headers(headers: &ureq::http::HeaderMap) -> Vec<(String, String)> {
     let cors = headers.iter().filter(|(name, _)| name.as_str().starts_with("access-control-allow-"));
     cors.map(|(name, value)| (name.to_string(), value.to_str().unwrap().to_string())).collect()
 }
 
+/// The text of a streamed chat completion: its deltas, joined.
 pub fn streamed_text(chunks: &[serde_json::Value]) -> String {
     chunks
         .iter()
