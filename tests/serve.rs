@@ -453,6 +453,110 @@ fn the_model_is_retrieved_by_its_name() {
     assert_eq!(error["error"]["code"], "model_not_found", "{error}");
 }
 
+/// Tools through `/v1/messages` are `/v1/chat/completions`' tool calls: the same greedy call as a
+/// `tool_use` block (one, with parallel use turned off), whole and streamed (its input in one
+/// `input_json_delta`), and a turn that brings a `tool_result` gets the reply the same history
+/// gets there.
+#[test]
+fn anthropic_tool_use_is_chat_completions_tool_calls() {
+    common::default_model();
+    let server = Server::start(&["--temp", "0"]);
+    let weather = json!({ "type": "object", "properties": { "city": { "enum": ["Oslo", "Rome"] } }, "required": ["city"], "additionalProperties": false });
+    let description = "Today's weather in a city";
+    let question = "What is the weather in Oslo today?";
+    let openai_tools = json!([{ "type": "function", "function": { "name": "weather", "description": description, "parameters": weather } }]);
+    let tools = json!([{ "name": "weather", "description": description, "input_schema": weather }]);
+
+    let (status, chat) = server.post(
+        "/v1/chat/completions",
+        &json!({
+            "messages": [{ "role": "user", "content": question }], "max_tokens": 60,
+            "tools": openai_tools, "tool_choice": { "type": "function", "function": { "name": "weather" } },
+            "parallel_tool_calls": false,
+        }),
+    );
+    assert_eq!(status, 200, "{chat}");
+    assert_eq!(chat["choices"][0]["finish_reason"], "tool_calls", "{chat}");
+    let call = &chat["choices"][0]["message"]["tool_calls"][0]["function"];
+    let input: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+
+    let request = json!({
+        "max_tokens": 60, "messages": [{ "role": "user", "content": question }],
+        "tools": tools, "tool_choice": { "type": "tool", "name": "weather", "disable_parallel_tool_use": true },
+    });
+    let (status, message) = server.post("/v1/messages", &request);
+    assert_eq!(status, 200, "{message}");
+    assert_eq!(message["stop_reason"], "tool_use", "{message}");
+    let block = &message["content"][0];
+    assert_eq!((block["type"].as_str(), block["name"].as_str()), (Some("tool_use"), Some("weather")), "{message}");
+    assert_eq!(block["input"], input, "{message}");
+    assert_eq!(message["content"].as_array().unwrap().len(), 1, "{message}");
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let events = server.named_events("/v1/messages", &streamed, &[]);
+    let names: Vec<&str> = events.iter().map(|(name, _)| name.as_str()).collect();
+    let order = [
+        "message_start",
+        "content_block_start",
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ];
+    assert_eq!(names, order);
+    let (start, delta, end) = (&events[1].1, &events[2].1, &events[4].1);
+    assert_eq!(start["content_block"]["type"], "tool_use");
+    assert_eq!(start["content_block"]["name"], "weather");
+    assert_eq!(
+        start["content_block"]["id"],
+        block["id"].as_str().unwrap().replace(
+            message["id"].as_str().unwrap().trim_start_matches("msg-"),
+            events[0].1["message"]["id"].as_str().unwrap().trim_start_matches("msg-")
+        )
+    );
+    assert_eq!(delta["delta"]["type"], "input_json_delta");
+    assert_eq!(serde_json::from_str::<Value>(delta["delta"]["partial_json"].as_str().unwrap()).unwrap(), input);
+    assert_eq!(end["delta"]["stop_reason"], "tool_use");
+
+    // The tool's result, then the model's reply: the same history on both routes.
+    let arguments = json!({ "city": "Oslo" });
+    let result = "Sunny, 21 degrees.";
+    let (status, chat) = server.post(
+        "/v1/chat/completions",
+        &json!({
+            "max_tokens": 40, "tools": openai_tools,
+            "messages": [
+                { "role": "user", "content": question },
+                { "role": "assistant", "content": null, "tool_calls": [{ "id": "c1", "type": "function", "function": { "name": "weather", "arguments": arguments.to_string() } }] },
+                { "role": "tool", "tool_call_id": "c1", "content": result },
+            ],
+        }),
+    );
+    assert_eq!(status, 200, "{chat}");
+    let (status, message) = server.post(
+        "/v1/messages",
+        &json!({
+            "max_tokens": 40, "tools": tools,
+            "messages": [
+                { "role": "user", "content": question },
+                { "role": "assistant", "content": [{ "type": "tool_use", "id": "c1", "name": "weather", "input": arguments }] },
+                { "role": "user", "content": [{ "type": "tool_result", "tool_use_id": "c1", "content": [{ "type": "text", "text": result }] }] },
+            ],
+        }),
+    );
+    assert_eq!(status, 200, "{message}");
+    let choice = &chat["choices"][0];
+    if choice["finish_reason"] == "tool_calls" {
+        assert_eq!(message["stop_reason"], "tool_use", "{chat} {message}");
+        let arguments = choice["message"]["tool_calls"][0]["function"]["arguments"].as_str().unwrap();
+        assert_eq!(message["content"][0]["input"], serde_json::from_str::<Value>(arguments).unwrap());
+    } else {
+        assert_eq!(message["content"], json!([{ "type": "text", "text": choice["message"]["content"] }]), "{chat}");
+    }
+    assert_eq!(message["usage"]["input_tokens"], chat["usage"]["prompt_tokens"], "the same prompt on both routes");
+}
+
 /// `/props` says what the server was started with: the context, the chat template and
 /// special tokens, the sampling a request gets by default.
 #[test]
@@ -569,7 +673,8 @@ fn anthropic_messages_reply_as_chat_completions_do() {
         (json!({ "max_tokens": null }), "not a valid request"),
         (json!({ "messages": [{ "role": "user", "content": [{ "type": "image", "source": {} }] }] }), "\"image\""),
         (json!({ "messages": [{ "role": "system", "content": "x" }] }), "\"system\""),
-        (json!({ "tools": [{ "name": "f", "input_schema": {} }] }), "tools"),
+        (json!({ "tools": [{ "type": "web_search_20250305", "name": "web_search" }] }), "server tools"),
+        (json!({ "tool_choice": { "type": "tool" } }), "name"),
         (json!({ "temperature": 1.5 }), "temperature"),
     ] {
         let mut bad = request.clone();

@@ -28,7 +28,8 @@ use tokio::sync::mpsc::{channel, UnboundedReceiver};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::anthropic::{
-    self, ErrorDetail, MessageResponse, MessageUsage, MessagesRequest, OutputUsage, StopDelta, StreamEvent, TextBlock,
+    self, ContentBlock, ErrorDetail, MessageResponse, MessageUsage, MessagesRequest, OutputUsage, StopDelta,
+    StreamEvent,
 };
 use super::api::{
     finish_reason, AssistantMessage, ChatChoice, ChatLogprobs, ChatRequest, ChunkChoice, Completion, CompletionRequest,
@@ -264,8 +265,14 @@ async fn tokenize(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRe
 async fn messages(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
     let handle = async {
         let request: MessagesRequest = parse(body)?;
-        let conversation = request.conversation()?;
-        let params = request.params(&server.config.defaults, server.n_vocab)?;
+        let toolbox = request.toolbox()?;
+        let mut conversation = request.conversation()?;
+        let mut params = request.params(&server.config.defaults, server.n_vocab)?;
+        if let Some(toolbox) = &toolbox {
+            conversation = with_instructions(conversation, toolbox);
+            params.format = Some(toolbox.format());
+            params.format_field = "tools";
+        }
         let stops = params.stop.clone();
         let mut events = server.queue.submit(Prompt::Chat(conversation), params)?;
         let usage = started(&mut events).await?;
@@ -284,19 +291,14 @@ async fn messages(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRe
             },
         };
         if request.stream {
-            return Ok(stream_message(message, stops, events));
+            return Ok(stream_message(message, stops, toolbox, events));
         }
         let Gathered { text, finished, .. } = gather(events).await?;
-        let (stop_reason, stop_sequence) = anthropic::stop_reason(&finished, &stops);
+        let (content, called) = ContentBlock::reply(text, toolbox.as_ref(), &message.id);
+        let (stop_reason, stop_sequence) = anthropic::stop_reason(&finished, &stops, called);
         let usage = MessageUsage { output_tokens: finished.completion_tokens, ..message.usage };
-        let message = MessageResponse {
-            content: vec![TextBlock::new(text)],
-            stop_reason: Some(stop_reason),
-            stop_sequence,
-            usage,
-            ..message
-        };
-        Ok(Json(message).into_response())
+        Ok(Json(MessageResponse { content, stop_reason: Some(stop_reason), stop_sequence, usage, ..message })
+            .into_response())
     };
     handle.await.unwrap_or_else(anthropic::error_response)
 }
@@ -426,11 +428,7 @@ impl Answer {
     /// Whether the reply's text waits for its end before it is sent: where its first byte may
     /// open a call.
     fn holds(&self, first: &str) -> bool {
-        match self.toolbox.as_ref().map(Toolbox::choice) {
-            None => false,
-            Some(ToolChoice::Auto) => first.starts_with('{'),
-            Some(_) => true,
-        }
+        holds(self.toolbox.as_ref(), first)
     }
 
     fn completion<C>(&self, object: &'static str, choices: Vec<C>, usage: Option<Usage>) -> Completion<C> {
@@ -650,43 +648,77 @@ fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Resp
     Sse::new(ReceiverStream::new(body)).keep_alive(KeepAlive::default()).into_response()
 }
 
-/// A Messages API reply as Anthropic's named server-sent events: the message (empty), its one
-/// text block opened, a delta per piece of text, the block closed, the stop reason and tokens
-/// generated, the end. As [`stream`], it ends when the client goes away.
-fn stream_message(message: MessageResponse, stops: Vec<String>, mut events: UnboundedReceiver<Event>) -> Response {
+/// A Messages API reply as Anthropic's named server-sent events: the message (empty), its text
+/// block opened at its first text, a delta per piece of text, the block closed, the stop reason
+/// and tokens generated, the end. A reply that may be calls is held until it ends, then sent as
+/// its blocks (a start, one delta and a stop each). As [`stream`], it ends when the client goes
+/// away.
+fn stream_message(
+    message: MessageResponse,
+    stops: Vec<String>,
+    toolbox: Option<Toolbox>,
+    mut events: UnboundedReceiver<Event>,
+) -> Response {
     let (sse, body) = channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
         let send = |event: StreamEvent| {
             let sse = sse.clone();
             async move { sse.send(Ok(SseEvent::default().event(event.name()).data(json(&event)))).await.is_ok() }
         };
-        let opening = [
-            StreamEvent::MessageStart { message },
-            StreamEvent::ContentBlockStart { index: 0, content_block: TextBlock::new(String::new()) },
-        ];
-        for event in opening {
-            if !send(event).await {
-                return;
-            }
+        let id = message.id.clone();
+        if !send(StreamEvent::MessageStart { message }).await {
+            return;
         }
+        // A reply held back whole, where it may be calls; `None` until its first text comes.
+        let mut held: Option<String> = None;
+        // Whether the text block has been opened.
+        let mut open = false;
         while let Some(event) = tokio::select! {
             event = events.recv() => event,
             () = sse.closed() => None,
         } {
             let sent = match event {
                 Event::Started { .. } | Event::Token(_) => true,
+                // (An empty piece says nothing of the reply's first byte.)
                 Event::Text(text) if text.is_empty() => true,
-                Event::Text(text) => send(StreamEvent::text(text)).await,
+                Event::Text(text) => match &mut held {
+                    Some(held) => {
+                        *held += &text;
+                        true
+                    }
+                    None if !open && holds(toolbox.as_ref(), &text) => {
+                        held = Some(text);
+                        true
+                    }
+                    None => {
+                        let mut sent = true;
+                        if !open {
+                            open = true;
+                            let block = ContentBlock::Text { text: String::new() };
+                            sent = send(StreamEvent::ContentBlockStart { index: 0, content_block: block }).await;
+                        }
+                        let delta = anthropic::Delta::TextDelta { text };
+                        sent && send(StreamEvent::ContentBlockDelta { index: 0, delta }).await
+                    }
+                },
                 Event::Finished(finished) => {
-                    let (stop_reason, stop_sequence) = anthropic::stop_reason(&finished, &stops);
-                    let closing = [
-                        StreamEvent::ContentBlockStop { index: 0 },
-                        StreamEvent::MessageDelta {
-                            delta: StopDelta { stop_reason, stop_sequence },
-                            usage: OutputUsage { output_tokens: finished.completion_tokens },
-                        },
-                        StreamEvent::MessageStop,
-                    ];
+                    let (mut closing, mut called) = (Vec::new(), false);
+                    match held.take() {
+                        Some(text) => {
+                            let (blocks, calls) = ContentBlock::reply(text, toolbox.as_ref(), &id);
+                            called = calls;
+                            closing.extend(blocks.into_iter().enumerate().flat_map(|(i, b)| StreamEvent::block(i, b)));
+                        }
+                        None if open => closing.push(StreamEvent::ContentBlockStop { index: 0 }),
+                        // An empty reply: one empty text block.
+                        None => closing.extend(StreamEvent::block(0, ContentBlock::Text { text: String::new() })),
+                    }
+                    let (stop_reason, stop_sequence) = anthropic::stop_reason(&finished, &stops, called);
+                    closing.push(StreamEvent::MessageDelta {
+                        delta: StopDelta { stop_reason, stop_sequence },
+                        usage: OutputUsage { output_tokens: finished.completion_tokens },
+                    });
+                    closing.push(StreamEvent::MessageStop);
                     for event in closing {
                         if !send(event).await {
                             break;
@@ -709,6 +741,16 @@ fn stream_message(message: MessageResponse, stops: Vec<String>, mut events: Unbo
         }
     });
     Sse::new(ReceiverStream::new(body)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// Whether a reply whose text opens with `first` waits for its end before it is sent: where it
+/// may be calls of `toolbox`'s tools.
+fn holds(toolbox: Option<&Toolbox>, first: &str) -> bool {
+    match toolbox.map(Toolbox::choice) {
+        None => false,
+        Some(ToolChoice::Auto) => first.starts_with('{'),
+        Some(_) => true,
+    }
 }
 
 /// An event the request's kind does not expect.
