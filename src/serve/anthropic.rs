@@ -15,13 +15,12 @@
 //! then `message_delta` (the stop reason and the tokens generated) and `message_stop`. Errors are
 //! `{"type": "error", "error": {"type", "message"}}`.
 
+use std::collections::HashMap;
+
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
-
-use std::collections::HashMap;
-
 use serde_json::Value;
 
 use super::api::Params;
@@ -30,7 +29,7 @@ use super::worker::Finished;
 use crate::chat::Message;
 use crate::generate::StopReason;
 use crate::sample::clock_seed;
-use crate::tools::{calls_text, results_text, Tool, ToolCall, ToolChoice, ToolResult, Toolbox};
+use crate::tools::{calls_text, results_text, Reply, Tool, ToolCall, ToolChoice, ToolResult, Toolbox};
 
 #[derive(Debug, Deserialize)]
 pub struct MessagesRequest {
@@ -295,7 +294,7 @@ impl ContentBlock {
     /// whether it called. `id` makes the calls' ids.
     pub fn reply(text: String, toolbox: Option<&Toolbox>, id: &str) -> (Vec<ContentBlock>, bool) {
         match toolbox.map(|toolbox| toolbox.read(&text)) {
-            Some(crate::tools::Reply::Calls(calls)) => {
+            Some(Reply::Calls(calls)) => {
                 let blocks = (calls.into_iter().enumerate())
                     .map(|(i, call)| ContentBlock::ToolUse {
                         id: format!("toolu_{}_{i}", id.trim_start_matches("msg-")),
