@@ -13,7 +13,7 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use axum::http::{header, HeaderValue, Method, Uri};
+use axum::http::{header, HeaderName, HeaderValue, Method, Uri};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 /// The origins allowed besides this machine's own pages.
@@ -64,7 +64,15 @@ impl Origins {
         CorsLayer::new()
             .allow_origin(allowed)
             .allow_methods([Method::GET, Method::POST])
-            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+            // The key as OpenAI's clients send it, and as Anthropic's do with their version (and,
+            // from a browser, their consent to be called from one).
+            .allow_headers([
+                header::AUTHORIZATION,
+                header::CONTENT_TYPE,
+                HeaderName::from_static("x-api-key"),
+                HeaderName::from_static("anthropic-version"),
+                HeaderName::from_static("anthropic-dangerous-direct-browser-access"),
+            ])
             .expose_headers([header::RETRY_AFTER])
             .max_age(Duration::from_secs(600))
     }
