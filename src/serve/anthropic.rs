@@ -23,12 +23,11 @@ use axum::Json;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::api::Params;
+use super::api::{Options, Params, Stop};
 use super::error::ApiError;
 use super::worker::Finished;
 use crate::chat::Message;
 use crate::generate::StopReason;
-use crate::sample::clock_seed;
 use crate::tools::{calls_text, results_text, Reply, Tool, ToolCall, ToolChoice, ToolResult, Toolbox};
 
 #[derive(Debug, Deserialize)]
@@ -242,7 +241,7 @@ impl MessagesRequest {
         Toolbox::new(tools, choice, parallel).map(Some).map_err(|e| ApiError::invalid(format!("tools: {e}")))
     }
 
-    /// The request's settings over the server's `defaults`, with a fresh seed.
+    /// The request's settings over the server's `defaults`, as the OpenAI routes take theirs.
     pub fn params(&self, defaults: &Params, n_vocab: usize) -> Result<Params, ApiError> {
         if self.max_tokens == 0 {
             return Err(ApiError::invalid("max_tokens must be at least 1"));
@@ -250,20 +249,15 @@ impl MessagesRequest {
         if self.temperature.is_some_and(|t| !(0.0..=1.0).contains(&t)) {
             return Err(ApiError::invalid("temperature must be between 0 and 1"));
         }
-        let mut sampling = defaults.sampling.clone();
-        sampling.temperature = self.temperature.unwrap_or(sampling.temperature);
-        sampling.top_p = self.top_p.unwrap_or(sampling.top_p);
-        sampling.top_k = self.top_k.unwrap_or(sampling.top_k);
-        sampling.check(n_vocab).map_err(ApiError::invalid)?;
-        sampling.seed = clock_seed();
-        Ok(Params {
-            sampling,
-            max_tokens: self.max_tokens,
-            stop: self.stop_sequences.clone(),
-            top_logprobs: None,
-            format: None,
-            format_field: "response_format",
-        })
+        let options = Options {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            max_tokens: Some(self.max_tokens),
+            stop: Some(Stop::Many(self.stop_sequences.clone())),
+            ..Options::default()
+        };
+        options.params(defaults, None, n_vocab)
     }
 }
 

@@ -414,7 +414,7 @@ pub struct EmbeddingUsage {
 }
 
 /// What both kinds of request share: sampling, limits, streaming.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 pub struct Options {
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,

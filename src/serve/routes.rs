@@ -40,6 +40,7 @@ use super::api::{
 use super::error::ApiError;
 use super::worker::{Event, Finished, Prompt, Queue};
 use super::{Config, ServeError};
+use crate::chat::Message;
 use crate::tokenizer::Tokenizer;
 use crate::tools::{with_instructions, Reply, ToolChoice, Toolbox};
 
@@ -201,13 +202,19 @@ async fn chat_completions(State(server): State<Arc<Server>>, body: Result<Bytes,
             if !matches!(request.options.response_format, None | Some(ResponseFormat::Text)) {
                 return Err(ApiError::invalid("tools and response_format cannot both shape a reply: send one"));
             }
-            messages = with_instructions(messages, toolbox);
-            params.format = Some(toolbox.format());
-            params.format_field = "tools";
+            messages = offer_tools(toolbox, messages, &mut params);
         }
         complete::<Chat>(&server, Prompt::Chat(messages), params, &request.options, toolbox).await
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// `messages` with `toolbox`'s tools offered to the model, and `params` holding the reply to
+/// text or calls of them.
+fn offer_tools(toolbox: &Toolbox, messages: Vec<Message>, params: &mut Params) -> Vec<Message> {
+    params.format = Some(toolbox.format());
+    params.format_field = "tools";
+    with_instructions(messages, toolbox)
 }
 
 async fn completions(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
@@ -269,9 +276,7 @@ async fn messages(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRe
         let mut conversation = request.conversation()?;
         let mut params = request.params(&server.config.defaults, server.n_vocab)?;
         if let Some(toolbox) = &toolbox {
-            conversation = with_instructions(conversation, toolbox);
-            params.format = Some(toolbox.format());
-            params.format_field = "tools";
+            conversation = offer_tools(toolbox, conversation, &mut params);
         }
         let stops = params.stop.clone();
         let mut events = server.queue.submit(Prompt::Chat(conversation), params)?;
