@@ -76,71 +76,78 @@ impl ChatRequest {
                 _ => return Err(ApiError::invalid(format!("tool_choice {choice} is not one sift knows"))),
             },
         };
-        let tools = self
-            .tools
-            .iter()
-            .map(|tool| match tool.kind.as_str() {
-                "function" => Ok(Tool {
-                    name: tool.function.name.clone(),
-                    description: tool.function.description.clone(),
-                    parameters: tool.function.parameters.clone(),
-                }),
-                kind => Err(ApiError::invalid(format!("tools: type {kind:?} is not supported (only \"function\")"))),
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let tools = self.tools.iter().map(WireTool::to_tool).collect::<Result<Vec<_>, _>>()?;
         let parallel = self.parallel_tool_calls.unwrap_or(true);
         Toolbox::new(tools, choice, parallel).map(Some).map_err(|e| ApiError::invalid(format!("tools: {e}")))
     }
 
-    /// The conversation as a chat template reads it. An assistant turn that called tools is
-    /// written as the model wrote the calls; the results that follow it (`tool` messages) become
-    /// one user turn, joined to a user turn next to them (templates that want turns to alternate
-    /// would refuse two).
+    /// The conversation as a chat template reads it ([`conversation`]).
     pub fn conversation(&self) -> Result<Vec<Message>, ApiError> {
-        let mut messages: Vec<Message> = Vec::with_capacity(self.messages.len());
-        // Whether the last message brings tools' results.
-        let mut last_results = false;
-        let mut push = |message: Message, results: bool| {
-            match messages.last_mut() {
-                Some(last) if last.role == "user" && message.role == "user" && (results || last_results) => {
-                    last.content += "\n\n";
-                    last.content += &message.content;
-                }
-                _ => messages.push(message),
-            }
-            last_results = results;
-        };
-        let mut names = std::collections::HashMap::new();
-        let mut results = Vec::new();
-        for (i, wire) in self.messages.iter().enumerate() {
-            if wire.role == "tool" {
-                let called = wire.tool_call_id.as_ref().and_then(|id| names.get(id).cloned());
-                results.push(ToolResult { name: wire.name.clone().or(called), content: wire.to_text()? });
-                if self.messages.get(i + 1).is_none_or(|next| next.role != "tool") {
-                    push(Message::user(results_text(&std::mem::take(&mut results))), true);
-                }
-                continue;
-            }
-            let mut message = wire.to_message()?;
-            if let Some(wire_calls) = &wire.tool_calls {
-                let mut calls = Vec::with_capacity(wire_calls.len());
-                for call in wire_calls {
-                    let WireCall { name, arguments } = call.function.clone();
-                    if let Some(id) = &call.id {
-                        names.insert(id.clone(), name.clone());
-                    }
-                    calls.push(ToolCall { name, arguments });
-                }
-                let text = calls_text(&calls).map_err(|e| ApiError::invalid(format!("messages: {e}")))?;
-                message.content = match message.content.is_empty() {
-                    true => text,
-                    false => format!("{}\n{text}", message.content),
-                };
-            }
-            push(message, false);
-        }
-        Ok(messages)
+        conversation(&self.messages)
     }
+}
+
+impl WireTool {
+    /// The tool as sift offers it; only functions are tools.
+    pub fn to_tool(&self) -> Result<Tool, ApiError> {
+        match self.kind.as_str() {
+            "function" => Ok(Tool {
+                name: self.function.name.clone(),
+                description: self.function.description.clone(),
+                parameters: self.function.parameters.clone(),
+            }),
+            kind => Err(ApiError::invalid(format!("tools: type {kind:?} is not supported (only \"function\")"))),
+        }
+    }
+}
+
+/// `wire` as a chat template reads it. An assistant turn that called tools is written as the
+/// model wrote the calls; the results that follow it (`tool` messages) become one user turn,
+/// joined to a user turn next to them (templates that want turns to alternate would refuse two).
+pub fn conversation(wire: &[ChatMessage]) -> Result<Vec<Message>, ApiError> {
+    let mut messages: Vec<Message> = Vec::with_capacity(wire.len());
+    // Whether the last message brings tools' results.
+    let mut last_results = false;
+    let mut push = |message: Message, results: bool| {
+        match messages.last_mut() {
+            Some(last) if last.role == "user" && message.role == "user" && (results || last_results) => {
+                last.content += "\n\n";
+                last.content += &message.content;
+            }
+            _ => messages.push(message),
+        }
+        last_results = results;
+    };
+    let mut names = std::collections::HashMap::new();
+    let mut results = Vec::new();
+    for (i, turn) in wire.iter().enumerate() {
+        if turn.role == "tool" {
+            let called = turn.tool_call_id.as_ref().and_then(|id| names.get(id).cloned());
+            results.push(ToolResult { name: turn.name.clone().or(called), content: turn.to_text()? });
+            if wire.get(i + 1).is_none_or(|next| next.role != "tool") {
+                push(Message::user(results_text(&std::mem::take(&mut results))), true);
+            }
+            continue;
+        }
+        let mut message = turn.to_message()?;
+        if let Some(wire_calls) = &turn.tool_calls {
+            let mut calls = Vec::with_capacity(wire_calls.len());
+            for call in wire_calls {
+                let WireCall { name, arguments } = call.function.clone();
+                if let Some(id) = &call.id {
+                    names.insert(id.clone(), name.clone());
+                }
+                calls.push(ToolCall { name, arguments });
+            }
+            let text = calls_text(&calls).map_err(|e| ApiError::invalid(format!("messages: {e}")))?;
+            message.content = match message.content.is_empty() {
+                true => text,
+                false => format!("{}\n{text}", message.content),
+            };
+        }
+        push(message, false);
+    }
+    Ok(messages)
 }
 
 /// `POST /v1/completions`.

@@ -38,7 +38,7 @@ use super::api::{
     TextLogprobs, TokenLogprob, TokenizeRequest, Usage, WireCall, WireToolCall,
 };
 use super::error::ApiError;
-use super::worker::{Event, Finished, Prompt, Queue};
+use super::worker::{EmbedInput, Event, Finished, Prompt, Queue};
 use super::{Config, ServeError};
 use crate::chat::Message;
 use crate::tokenizer::Tokenizer;
@@ -231,28 +231,30 @@ async fn embeddings(State(server): State<Arc<Server>>, body: Result<Bytes, Bytes
     let handle = async {
         let request: EmbeddingRequest = parse(body)?;
         let (inputs, base64) = request.inputs(server.n_embd)?;
-        let mut events = server.queue.submit(Prompt::Embed(inputs), server.config.defaults.clone())?;
-        match events.recv().await {
-            Some(Event::Embedded { vectors, tokens }) => {
-                let data = vectors
-                    .into_iter()
-                    .enumerate()
-                    .map(|(index, vector)| Embedding {
-                        object: "embedding",
-                        index,
-                        embedding: EmbeddingVector::new(vector, base64),
-                    })
-                    .collect();
-                let usage = EmbeddingUsage { prompt_tokens: tokens, total_tokens: tokens };
-                let list = EmbeddingList { object: "list", data, model: server.config.model_id.clone(), usage };
-                Ok(Json(list).into_response())
-            }
-            Some(Event::Failed(e)) => Err(e),
-            Some(_) => Err(out_of_order()),
-            None => Err(ApiError::shutting_down()),
-        }
+        let (vectors, tokens) = embed(&server, inputs).await?;
+        let data = (vectors.into_iter().enumerate())
+            .map(|(index, vector)| Embedding {
+                object: "embedding",
+                index,
+                embedding: EmbeddingVector::new(vector, base64),
+            })
+            .collect();
+        let usage = EmbeddingUsage { prompt_tokens: tokens, total_tokens: tokens };
+        let list = EmbeddingList { object: "list", data, model: server.config.model_id.clone(), usage };
+        Ok(Json(list).into_response())
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// Queues the embedding of `inputs` and waits for their vectors, and their tokens' count.
+async fn embed(server: &Server, inputs: Vec<EmbedInput>) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+    let mut events = server.queue.submit(Prompt::Embed(inputs), server.config.defaults.clone())?;
+    match events.recv().await {
+        Some(Event::Embedded { vectors, tokens }) => Ok((vectors, tokens)),
+        Some(Event::Failed(e)) => Err(e),
+        Some(_) => Err(out_of_order()),
+        None => Err(ApiError::shutting_down()),
+    }
 }
 
 /// `POST /tokenize`: the content's tokens (llama.cpp's route), on a thread of the blocking
