@@ -293,6 +293,11 @@ fn unix_now() -> i64 {
     now.map_or(0, |d| d.as_secs() as i64)
 }
 
+/// `unix_seconds` as an RFC 3339 time in UTC, such as `2026-12-05T01:27:00Z`.
+pub(crate) fn utc_timestamp(unix_seconds: i64) -> String {
+    strftime("%Y-%m-%dT%H:%M:%SZ", unix_seconds).expect("every directive of the format is one strftime writes")
+}
+
 /// C's `strftime` for the directives chat templates use (Llama 3.1 writes today's date with
 /// `%d %b %Y`), in UTC.
 fn strftime(format: &str, unix_seconds: i64) -> Result<String, Error> {
@@ -375,5 +380,6 @@ mod tests {
         assert_eq!(strftime("%d %b %Y", 0).unwrap(), "01 Jan 1970");
         assert_eq!(strftime("%Y-%m-%d %a", 951_782_400).unwrap(), "2000-02-29 Tue");
         assert!(strftime("%Q", t).is_err());
+        assert_eq!(utc_timestamp(t), "2024-07-23T14:05:09Z");
     }
 }

@@ -9,7 +9,10 @@
 //! `anthropic`, through `/v1/messages`, whole and streamed: the reply `/v1/chat/completions` gives
 //! to the same system prompt and message.
 //!
-//! The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a virtual environment with both
+//! `ollama`, through `/api/*`: the model listed and shown as `/props` says, a chat whole and
+//! streamed and a generation giving `/v1/chat/completions`' reply, an embedding `/v1/embeddings`'.
+//!
+//! The interpreter is `$SIFT_TEST_PYTHON` (`.ci/run` makes a virtual environment with the three
 //! packages in it), else `python3`; without a package its test says it is skipped, except under
 //! CI, where it fails.
 
@@ -118,4 +121,50 @@ fn the_anthropic_python_client_gets_chat_completions_reply_whole_and_streamed() 
     assert_eq!(got["input_tokens"], chat["usage"]["prompt_tokens"]);
     assert_eq!(got["output_tokens"], chat["usage"]["completion_tokens"]);
     assert_eq!(got["final_output_tokens"], chat["usage"]["completion_tokens"]);
+}
+
+#[test]
+fn the_ollama_python_client_gets_chat_completions_reply_whole_and_streamed() {
+    let Some(python) = python_with("ollama") else { return };
+    let model = common::default_model();
+    let (system, message, num_predict) = ("Answer in one short sentence.", "Name a large animal.", 20);
+    let server = Server::start(&["--api-key", "sesame"]);
+    let key = [("Authorization", "Bearer sesame")];
+    let post = |path: &str, body: Value| {
+        let (status, text, _) = server.post_raw(path, body.to_string().as_bytes(), &key);
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str::<Value>(&text).unwrap()
+    };
+    let chat = post(
+        "/v1/chat/completions",
+        serde_json::json!({
+            "messages": [{ "role": "system", "content": system }, { "role": "user", "content": message }],
+            "max_tokens": num_predict, "temperature": 0,
+        }),
+    );
+    let want = &chat["choices"][0]["message"]["content"];
+    let embedding = post("/v1/embeddings", serde_json::json!({ "input": message }));
+    let (_, props) = server.get("/props", &key);
+    let props: Value = serde_json::from_str(&props).unwrap();
+
+    let script = common::repo_root().join("tests/serve_ollama.py");
+    let o = Command::new(&python)
+        .arg(script)
+        .args([&server.base, system, message, &num_predict.to_string()])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got: Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(got["model"], "gemma-3-270m-Q4_K_M:latest");
+    assert_eq!(got["quantization"], "Q4_K_M");
+    assert_eq!(got["size"], std::fs::metadata(&model).unwrap().len());
+    assert_eq!(got["template"], props["chat_template"]);
+    assert_eq!((&got["whole"], &got["streamed"], &got["generated"]), (want, want, want), "{got}");
+    assert!(got["streamed_pieces"].as_u64().unwrap() > 2, "{got}");
+    assert_eq!(got["whole_done"], chat["choices"][0]["finish_reason"]);
+    assert_eq!(got["prompt_eval_count"], chat["usage"]["prompt_tokens"]);
+    assert_eq!(got["eval_count"], chat["usage"]["completion_tokens"]);
+    // The same f32s, written longer by Python.
+    let as_f32 = |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect::<Vec<f32>>();
+    assert!(as_f32(&got["embedding"]) == as_f32(&embedding["data"][0]["embedding"]), "the embeddings differ");
 }

@@ -70,7 +70,7 @@ enum Command {
     Run(run::RunArgs),
     /// Talk with the model in turns, with its chat template; piped input is one message a line.
     Chat(chat::ChatArgs),
-    /// Serve the model over an OpenAI-compatible HTTP API, with a chat page at /.
+    /// Serve the model over an OpenAI-compatible HTTP API (and Anthropic's and Ollama's), with a chat page at /.
     Serve(serve::ServeArgs),
     /// Measure perplexity of a text file, as llama-perplexity does.
     Perplexity(perplexity::PerplexityArgs),

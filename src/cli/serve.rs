@@ -1,4 +1,4 @@
-//! `sift serve`: the model behind an OpenAI-compatible HTTP API, with a chat page.
+//! `sift serve`: the model behind an OpenAI-compatible HTTP API (and Anthropic's and Ollama's), with a chat page.
 
 use std::io::Write;
 use std::net::{IpAddr, TcpListener};
@@ -10,7 +10,7 @@ use sift::chat::ChatTemplate;
 use sift::conversation::Conversation;
 use sift::embed::Pooling;
 use sift::model::Model;
-use sift::serve::{Config, Origins, Params};
+use sift::serve::{Config, ModelFacts, Origins, Params};
 use sift::tokenizer::Tokenizer;
 
 use super::{announce_template, context_size, GenerationArgs, ModelArgs};
@@ -112,6 +112,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         },
         cache_ram: args.cache_ram << 20,
         pooling: Pooling::for_model(&file, model.hp.arch.gguf_name())?,
+        facts: ModelFacts::read(&file, &model),
     };
     // The first line on stdout, once connections are taken: scripts read the port from it.
     let mut stdout = std::io::stdout().lock();

@@ -3,7 +3,8 @@
 //! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streamed as server-sent
 //! events with `"stream": true`), `POST /v1/embeddings`, `GET /v1/models`, `GET /health`,
 //! llama.cpp's `POST /tokenize`, `POST /detokenize` and `GET /props`, Anthropic's `POST /v1/messages`
-//! ([`anthropic`]), and the chat page at `GET /`.
+//! ([`anthropic`]), Ollama's `/api/chat`, `/api/generate`, `/api/embed`, `/api/tags`, `/api/show`
+//! and the rest ([`ollama`]), and the chat page at `GET /`.
 //! The HTTP side runs on tokio (axum), on a thread of its own; the model runs on the caller's
 //! thread, one request at a time, behind a bounded queue ([`worker`]). The conversation API of
 //! [`crate::conversation`] is shared with `sift chat`, so a request that extends the previous
@@ -19,6 +20,7 @@ mod anthropic;
 mod api;
 mod cors;
 mod error;
+mod ollama;
 mod routes;
 mod worker;
 
@@ -31,6 +33,7 @@ use crate::structured::GrammarCompiler;
 
 pub use api::Params;
 pub use cors::Origins;
+pub use ollama::ModelFacts;
 
 /// How the server runs.
 #[derive(Debug, Clone)]
@@ -50,6 +53,8 @@ pub struct Config {
     pub cache_ram: usize,
     /// How `/v1/embeddings` pools a text's hidden states.
     pub pooling: Pooling,
+    /// What the model's file says of it, for Ollama's listings.
+    pub facts: ModelFacts,
 }
 
 #[derive(Debug, thiserror::Error)]

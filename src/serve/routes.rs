@@ -38,6 +38,7 @@ use super::api::{
     TextLogprobs, TokenLogprob, TokenizeRequest, Usage, WireCall, WireToolCall,
 };
 use super::error::ApiError;
+use super::ollama;
 use super::worker::{EmbedInput, Event, Finished, Prompt, Queue};
 use super::{Config, ServeError};
 use crate::chat::Message;
@@ -47,19 +48,19 @@ use crate::tools::{with_instructions, Reply, ToolChoice, Toolbox};
 /// The chat page: one HTML file, its CSS and JS inline.
 const PAGE: &str = include_str!("page.html");
 
-struct Server {
-    queue: Queue,
+pub(super) struct Server {
+    pub(super) queue: Queue,
     /// The model's tokenizer, for `/tokenize` and `/detokenize` (a copy of the worker's: these
     /// routes do not wait for the model).
     tokenizer: Tokenizer,
     /// What `/props` answers, made once.
-    props: Props,
-    config: Config,
-    n_ctx: usize,
+    pub(super) props: Props,
+    pub(super) config: Config,
+    pub(super) n_ctx: usize,
     /// For the token ids of `logit_bias`.
-    n_vocab: usize,
+    pub(super) n_vocab: usize,
     /// The length of an embedding.
-    n_embd: usize,
+    pub(super) n_embd: usize,
     started: u64,
     next_id: AtomicU64,
 }
@@ -99,6 +100,14 @@ pub fn run(
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/props", get(properties))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/embed", post(ollama::embed_texts))
+        .route("/api/embeddings", post(ollama::embed_one))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/ps", get(ollama::running))
+        .route("/api/show", post(ollama::show))
+        .route("/api/version", get(ollama::version))
         .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
         .layer(middleware::from_fn_with_state(server.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
@@ -142,6 +151,7 @@ async fn authorize(State(server): State<Arc<Server>>, request: Request, next: Ne
         if !bool::from(given.as_bytes().ct_eq(key.as_bytes())) {
             return match request.uri().path() {
                 "/v1/messages" => anthropic::error_response(ApiError::unauthorized()),
+                path if path.starts_with("/api/") => ollama::error_response(ApiError::unauthorized()),
                 _ => ApiError::unauthorized().into_response(),
             };
         }
@@ -177,7 +187,7 @@ impl Server {
 }
 
 /// A JSON body, or the 400 (or 413) that says why it is not one.
-fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
+pub(super) fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let body = body.map_err(|rejection| match rejection.status() {
         StatusCode::PAYLOAD_TOO_LARGE => ApiError {
             status: StatusCode::PAYLOAD_TOO_LARGE,
@@ -211,7 +221,7 @@ async fn chat_completions(State(server): State<Arc<Server>>, body: Result<Bytes,
 
 /// `messages` with `toolbox`'s tools offered to the model, and `params` holding the reply to
 /// text or calls of them.
-fn offer_tools(toolbox: &Toolbox, messages: Vec<Message>, params: &mut Params) -> Vec<Message> {
+pub(super) fn offer_tools(toolbox: &Toolbox, messages: Vec<Message>, params: &mut Params) -> Vec<Message> {
     params.format = Some(toolbox.format());
     params.format_field = "tools";
     with_instructions(messages, toolbox)
@@ -247,7 +257,7 @@ async fn embeddings(State(server): State<Arc<Server>>, body: Result<Bytes, Bytes
 }
 
 /// Queues the embedding of `inputs` and waits for their vectors, and their tokens' count.
-async fn embed(server: &Server, inputs: Vec<EmbedInput>) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
+pub(super) async fn embed(server: &Server, inputs: Vec<EmbedInput>) -> Result<(Vec<Vec<f32>>, usize), ApiError> {
     let mut events = server.queue.submit(Prompt::Embed(inputs), server.config.defaults.clone())?;
     match events.recv().await {
         Some(Event::Embedded { vectors, tokens }) => Ok((vectors, tokens)),
@@ -354,7 +364,7 @@ async fn complete<K: Kind>(
 
 /// Waits for the worker to take the job: the usage so far (prompt and cached tokens), or why the
 /// job cannot be served.
-async fn started(events: &mut UnboundedReceiver<Event>) -> Result<Usage, ApiError> {
+pub(super) async fn started(events: &mut UnboundedReceiver<Event>) -> Result<Usage, ApiError> {
     match events.recv().await {
         Some(Event::Started { prompt_tokens, cached_tokens }) => Ok(Usage::new(prompt_tokens, cached_tokens, 0)),
         Some(Event::Failed(e)) => Err(e),
@@ -364,13 +374,13 @@ async fn started(events: &mut UnboundedReceiver<Event>) -> Result<Usage, ApiErro
 }
 
 /// The rest of a job, gathered: its text, its tokens' log-probabilities, how it finished.
-struct Gathered {
-    text: String,
+pub(super) struct Gathered {
+    pub(super) text: String,
     tokens: Vec<TokenLogprob>,
-    finished: Finished,
+    pub(super) finished: Finished,
 }
 
-async fn gather(mut events: UnboundedReceiver<Event>) -> Result<Gathered, ApiError> {
+pub(super) async fn gather(mut events: UnboundedReceiver<Event>) -> Result<Gathered, ApiError> {
     let (mut text, mut tokens) = (String::new(), Vec::new());
     while let Some(event) = events.recv().await {
         match event {
@@ -752,7 +762,7 @@ fn stream_message(
 
 /// Whether a reply whose text opens with `first` waits for its end before it is sent: where it
 /// may be calls of `toolbox`'s tools.
-fn holds(toolbox: Option<&Toolbox>, first: &str) -> bool {
+pub(super) fn holds(toolbox: Option<&Toolbox>, first: &str) -> bool {
     match toolbox.map(Toolbox::choice) {
         None => false,
         Some(ToolChoice::Auto) => first.starts_with('{'),
@@ -761,14 +771,14 @@ fn holds(toolbox: Option<&Toolbox>, first: &str) -> bool {
 }
 
 /// An event the request's kind does not expect.
-fn out_of_order() -> ApiError {
+pub(super) fn out_of_order() -> ApiError {
     ApiError::internal("the model's thread answered out of order")
 }
 
-fn json<T: Serialize>(value: &T) -> String {
+pub(super) fn json<T: Serialize>(value: &T) -> String {
     serde_json::to_string(value).expect("responses are plain data")
 }
 
-fn unix_now() -> u64 {
+pub(super) fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }

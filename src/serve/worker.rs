@@ -17,6 +17,7 @@
 use std::borrow::Cow;
 use std::ops::ControlFlow;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError};
+use std::time::Duration;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
@@ -92,6 +93,9 @@ pub struct Finished {
     pub attention: Certificate,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
+    /// The time the prompt's prefill took, and the reply's decoding.
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
     /// Dense rectification passes of the reply, and their share of its decode time.
     pub rectifications: u64,
     pub rectify_share: f64,
@@ -293,6 +297,8 @@ impl<'m> Worker<'m> {
             attention,
             prefill_tok_s: generated.prefill_tok_s(),
             decode_tok_s: generated.decode_tok_s(),
+            prefill_time: generated.prefill_time,
+            decode_time: generated.decode_time,
             rectifications: generated.rectifications,
             rectify_share: generated.rectify_share(),
         }));
