@@ -44,9 +44,7 @@ use super::api::{
     WireCall, WireTool,
 };
 use super::error::ApiError;
-use super::routes::{
-    embed, gather, holds, json, offer_tools, out_of_order, parse, started, unix_now, Gathered, Server,
-};
+use super::routes::{embed, gather, json, offer_tools, parse, started, unix_now, Gathered, Relay, Relayed, Server};
 use super::worker::{Event, Finished, Prompt};
 use crate::chat::{utc_timestamp, Message};
 use crate::gguf::GgufFile;
@@ -584,36 +582,20 @@ async fn reply<B: ReplyBody>(
 /// A reply as one JSON object a line, by a task that ends when the client goes away: a line per
 /// piece of text, then the last line. A reply that may be calls is held until it ends, then sent
 /// as one line.
-fn lines<B: ReplyBody>(head: Head, toolbox: Option<Toolbox>, mut events: UnboundedReceiver<Event>) -> Response {
+fn lines<B: ReplyBody>(head: Head, toolbox: Option<Toolbox>, events: UnboundedReceiver<Event>) -> Response {
     let (lines, body) = channel::<Result<Bytes, Infallible>>(64);
+    let mut relay = Relay::new(events, toolbox);
     tokio::spawn(async move {
         let send = |line: String| {
             let lines = lines.clone();
             async move { lines.send(Ok(Bytes::from(line + "\n"))).await.is_ok() }
         };
-        // A reply held back whole, where it may be calls; `None` until its first text comes.
-        let mut held: Option<String> = None;
-        while let Some(event) = tokio::select! {
-            event = events.recv() => event,
-            () = lines.closed() => None,
-        } {
-            let sent = match event {
-                Event::Started { .. } | Event::Token(_) => true,
-                // (An empty piece says nothing of the reply's first byte.)
-                Event::Text(text) if text.is_empty() => true,
-                Event::Text(text) => match &mut held {
-                    Some(held) => {
-                        *held += &text;
-                        true
-                    }
-                    None if holds(toolbox.as_ref(), &text) => {
-                        held = Some(text);
-                        true
-                    }
-                    None => send(json(&head.chunk(B::text(text), None))).await,
-                },
-                Event::Finished(finished) => {
-                    let held = held.take().map(|text| json(&head.chunk(B::reply(text, toolbox.as_ref()), None)));
+        while let Some(relayed) = relay.next(lines.closed()).await {
+            let sent = match relayed {
+                Relayed::Token(_) => true,
+                Relayed::Text(text) => send(json(&head.chunk(B::text(text), None))).await,
+                Relayed::Finished { held, finished } => {
+                    let held = held.map(|text| json(&head.chunk(B::reply(text, relay.toolbox()), None)));
                     let last = json(&head.chunk(B::text(String::new()), Some(head.done(&finished))));
                     for line in held.into_iter().chain([last]) {
                         if !send(line).await {
@@ -622,12 +604,8 @@ fn lines<B: ReplyBody>(head: Head, toolbox: Option<Toolbox>, mut events: Unbound
                     }
                     return;
                 }
-                Event::Failed(e) => {
+                Relayed::Failed(e) => {
                     send(json(&ErrorBody::of(&e))).await;
-                    return;
-                }
-                Event::Embedded { .. } => {
-                    send(json(&ErrorBody::of(&out_of_order()))).await;
                     return;
                 }
             };

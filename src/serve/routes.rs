@@ -442,12 +442,6 @@ impl Answer {
         }
     }
 
-    /// Whether the reply's text waits for its end before it is sent: where its first byte may
-    /// open a call.
-    fn holds(&self, first: &str) -> bool {
-        holds(self.toolbox.as_ref(), first)
-    }
-
     fn completion<C>(&self, object: &'static str, choices: Vec<C>, usage: Option<Usage>) -> Completion<C> {
         Completion { id: self.id.clone(), object, created: self.created, model: self.model.clone(), choices, usage }
     }
@@ -588,9 +582,77 @@ impl Kind for Text {
     }
 }
 
+/// A reply's events as a stream sends them: its text as it comes, except a reply that may be
+/// calls of the request's tools, which is held back whole until it ends; a stream's task reads
+/// them until the client goes away.
+pub(super) struct Relay {
+    events: UnboundedReceiver<Event>,
+    toolbox: Option<Toolbox>,
+    /// The reply held back, from its first text on.
+    held: Option<String>,
+    /// Whether some text has been passed on (the reply is then text, whatever follows).
+    passed: bool,
+}
+
+/// What a [`Relay`] passes on.
+pub(super) enum Relayed {
+    /// Text to send now.
+    Text(String),
+    /// A token's log-probabilities, when the request asked for them; they come before the text
+    /// that holds the token.
+    Token(TokenLogprob),
+    /// The reply's end: the text held back (all of it), if it was, and how the reply finished.
+    Finished {
+        held: Option<String>,
+        finished: Finished,
+    },
+    Failed(ApiError),
+}
+
+impl Relay {
+    pub(super) fn new(events: UnboundedReceiver<Event>, toolbox: Option<Toolbox>) -> Self {
+        Relay { events, toolbox, held: None, passed: false }
+    }
+
+    /// The tools the reply may call.
+    pub(super) fn toolbox(&self) -> Option<&Toolbox> {
+        self.toolbox.as_ref()
+    }
+
+    /// The next thing to send, or `None` once the reply is over or `closed` (the client's end
+    /// going away) resolves.
+    pub(super) async fn next(&mut self, closed: impl std::future::Future<Output = ()>) -> Option<Relayed> {
+        tokio::pin!(closed);
+        loop {
+            let event = tokio::select! {
+                event = self.events.recv() => event,
+                () = &mut closed => None,
+            }?;
+            match event {
+                Event::Started { .. } => {}
+                Event::Token(token) => return Some(Relayed::Token(token)),
+                // (An empty piece says nothing of the reply's first byte.)
+                Event::Text(text) if text.is_empty() => {}
+                Event::Text(text) => match &mut self.held {
+                    Some(held) => *held += &text,
+                    None if !self.passed && holds(self.toolbox.as_ref(), &text) => self.held = Some(text),
+                    None => {
+                        self.passed = true;
+                        return Some(Relayed::Text(text));
+                    }
+                },
+                Event::Finished(finished) => return Some(Relayed::Finished { held: self.held.take(), finished }),
+                Event::Failed(e) => return Some(Relayed::Failed(e)),
+                Event::Embedded { .. } => return Some(Relayed::Failed(out_of_order())),
+            }
+        }
+    }
+}
+
 /// Server-sent events from the worker's events, by a task that ends when the client goes away.
-fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Response {
+fn stream<K: Kind>(answer: Answer, events: UnboundedReceiver<Event>) -> Response {
     let (sse, body) = channel::<Result<SseEvent, Infallible>>(64);
+    let mut relay = Relay::new(events, answer.toolbox.clone());
     tokio::spawn(async move {
         let send = |data: String| {
             let sse = sse.clone();
@@ -603,35 +665,19 @@ fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Resp
             }
         }
         let mut tokens = Vec::new();
-        // A reply held back whole, where it may be calls; `None` until its first text comes.
-        let mut held: Option<String> = None;
         // A client that leaves closes the body: this task ends, and with it the worker's
         // channel, at once, even while no event comes (a long prompt's prefill).
-        while let Some(event) = tokio::select! {
-            event = events.recv() => event,
-            () = sse.closed() => None,
-        } {
-            let sent = match event {
-                Event::Started { .. } => true,
-                Event::Token(token) => {
+        while let Some(relayed) = relay.next(sse.closed()).await {
+            let sent = match relayed {
+                Relayed::Token(token) => {
                     tokens.push(token);
                     true
                 }
-                Event::Text(text) => match &mut held {
-                    Some(held) => {
-                        *held += &text;
-                        true
-                    }
-                    // (An empty piece says nothing of the reply's first byte.)
-                    None if text.is_empty() => true,
-                    None if answer.holds(&text) => {
-                        held = Some(text);
-                        true
-                    }
-                    None => send(chunk(vec![K::text(&answer, text, std::mem::take(&mut tokens))], None)).await,
-                },
-                Event::Finished(finished) => {
-                    let (reply, called) = match held.take() {
+                Relayed::Text(text) => {
+                    send(chunk(vec![K::text(&answer, text, std::mem::take(&mut tokens))], None)).await
+                }
+                Relayed::Finished { held, finished } => {
+                    let (reply, called) = match held {
                         Some(text) => {
                             let (reply, called) = K::held(&answer, text, std::mem::take(&mut tokens));
                             (Some(chunk(vec![reply], None)), called)
@@ -648,12 +694,8 @@ fn stream<K: Kind>(answer: Answer, mut events: UnboundedReceiver<Event>) -> Resp
                     }
                     return;
                 }
-                Event::Failed(e) => {
+                Relayed::Failed(e) => {
                     send(json(&e.body())).await;
-                    return;
-                }
-                Event::Embedded { .. } => {
-                    send(json(&out_of_order().body())).await;
                     return;
                 }
             };
@@ -674,9 +716,10 @@ fn stream_message(
     message: MessageResponse,
     stops: Vec<String>,
     toolbox: Option<Toolbox>,
-    mut events: UnboundedReceiver<Event>,
+    events: UnboundedReceiver<Event>,
 ) -> Response {
     let (sse, body) = channel::<Result<SseEvent, Infallible>>(64);
+    let mut relay = Relay::new(events, toolbox);
     tokio::spawn(async move {
         let send = |event: StreamEvent| {
             let sse = sse.clone();
@@ -686,43 +729,26 @@ fn stream_message(
         if !send(StreamEvent::MessageStart { message }).await {
             return;
         }
-        // A reply held back whole, where it may be calls; `None` until its first text comes.
-        let mut held: Option<String> = None;
         // Whether the text block has been opened.
         let mut open = false;
-        while let Some(event) = tokio::select! {
-            event = events.recv() => event,
-            () = sse.closed() => None,
-        } {
-            let sent = match event {
-                Event::Started { .. } | Event::Token(_) => true,
-                // (An empty piece says nothing of the reply's first byte.)
-                Event::Text(text) if text.is_empty() => true,
-                Event::Text(text) => match &mut held {
-                    Some(held) => {
-                        *held += &text;
-                        true
+        while let Some(relayed) = relay.next(sse.closed()).await {
+            let sent = match relayed {
+                Relayed::Token(_) => true,
+                Relayed::Text(text) => {
+                    let mut sent = true;
+                    if !open {
+                        open = true;
+                        let block = ContentBlock::Text { text: String::new() };
+                        sent = send(StreamEvent::ContentBlockStart { index: 0, content_block: block }).await;
                     }
-                    None if !open && holds(toolbox.as_ref(), &text) => {
-                        held = Some(text);
-                        true
-                    }
-                    None => {
-                        let mut sent = true;
-                        if !open {
-                            open = true;
-                            let block = ContentBlock::Text { text: String::new() };
-                            sent = send(StreamEvent::ContentBlockStart { index: 0, content_block: block }).await;
-                        }
-                        let delta = anthropic::Delta::TextDelta { text };
-                        sent && send(StreamEvent::ContentBlockDelta { index: 0, delta }).await
-                    }
-                },
-                Event::Finished(finished) => {
+                    let delta = anthropic::Delta::TextDelta { text };
+                    sent && send(StreamEvent::ContentBlockDelta { index: 0, delta }).await
+                }
+                Relayed::Finished { held, finished } => {
                     let (mut closing, mut called) = (Vec::new(), false);
-                    match held.take() {
+                    match held {
                         Some(text) => {
-                            let (blocks, calls) = ContentBlock::reply(text, toolbox.as_ref(), &id);
+                            let (blocks, calls) = ContentBlock::reply(text, relay.toolbox(), &id);
                             called = calls;
                             closing.extend(blocks.into_iter().enumerate().flat_map(|(i, b)| StreamEvent::block(i, b)));
                         }
@@ -743,12 +769,8 @@ fn stream_message(
                     }
                     return;
                 }
-                Event::Failed(e) => {
+                Relayed::Failed(e) => {
                     send(StreamEvent::Error { error: ErrorDetail::of(&e) }).await;
-                    return;
-                }
-                Event::Embedded { .. } => {
-                    send(StreamEvent::Error { error: ErrorDetail::of(&out_of_order()) }).await;
                     return;
                 }
             };
@@ -762,7 +784,7 @@ fn stream_message(
 
 /// Whether a reply whose text opens with `first` waits for its end before it is sent: where it
 /// may be calls of `toolbox`'s tools.
-pub(super) fn holds(toolbox: Option<&Toolbox>, first: &str) -> bool {
+fn holds(toolbox: Option<&Toolbox>, first: &str) -> bool {
     match toolbox.map(Toolbox::choice) {
         None => false,
         Some(ToolChoice::Auto) => first.starts_with('{'),
