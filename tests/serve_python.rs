@@ -4,7 +4,9 @@
 //! greedy reply of `sift run --chat`, and a reply held to a JSON Schema through `response_format`
 //! (or the client's `parse` with a Pydantic model) gives `sift run --chat --json-schema`'s; a
 //! required tool call, whole and streamed, calls the tool with arguments valid under its schema;
-//! an embedding comes back the same through the client's default base64 as in floats.
+//! an embedding comes back the same through the client's default base64 as in floats. Its
+//! Responses API, through `/v1/responses`: a reply whole and as raw events, one held to a schema
+//! through the client's stream helper, and a required call, as `/v1/chat/completions` gives them.
 //!
 //! `anthropic`, through `/v1/messages`, whole and streamed: the reply `/v1/chat/completions` gives
 //! to the same system prompt and message.
@@ -167,4 +169,60 @@ fn the_ollama_python_client_gets_chat_completions_reply_whole_and_streamed() {
     // The same f32s, written longer by Python.
     let as_f32 = |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect::<Vec<f32>>();
     assert!(as_f32(&got["embedding"]) == as_f32(&embedding["data"][0]["embedding"]), "the embeddings differ");
+}
+
+#[test]
+fn the_openai_python_clients_responses_are_chat_completions_replies() {
+    let Some(python) = python_with("openai") else { return };
+    common::default_model();
+    let (system, message, limit) = ("Answer in one short sentence.", "Name three colours.", 20);
+    let schema = r#"{"type": "object", "properties": {"colours": {"type": "array", "items": {"type": "string",
+        "maxLength": 10}, "maxItems": 3}}, "required": ["colours"], "additionalProperties": false}"#;
+    let server = Server::start(&["--api-key", "sesame"]);
+    let key = [("Authorization", "Bearer sesame")];
+    let chat = |body: Value| {
+        let (status, text, _) = server.post_raw("/v1/chat/completions", body.to_string().as_bytes(), &key);
+        assert_eq!(status, 200, "{text}");
+        serde_json::from_str::<Value>(&text).unwrap()
+    };
+    let user = serde_json::json!({ "role": "user", "content": message });
+    let plain = chat(serde_json::json!({
+        "messages": [{ "role": "system", "content": system }, user], "max_tokens": limit, "temperature": 0,
+    }));
+    let schema_value: Value = serde_json::from_str(schema).unwrap();
+    let structured = chat(serde_json::json!({
+        "messages": [user], "max_tokens": 60, "temperature": 0,
+        "response_format": { "type": "json_schema", "json_schema": { "name": "colours", "schema": schema_value } },
+    }));
+    let called = chat(serde_json::json!({
+        "messages": [user], "max_tokens": 60, "temperature": 0, "parallel_tool_calls": false,
+        "tools": [{ "type": "function", "function": { "name": "pick_colours", "description": "Pick colours", "parameters": schema_value } }],
+        "tool_choice": { "type": "function", "function": { "name": "pick_colours" } },
+    }));
+
+    let script = common::repo_root().join("tests/serve_openai_responses.py");
+    let o = Command::new(&python)
+        .arg(script)
+        .args([&server.base, system, message, &limit.to_string(), schema])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got: Value = serde_json::from_slice(&o.stdout).unwrap();
+    let want = &plain["choices"][0]["message"]["content"];
+    assert_eq!((&got["whole"], &got["streamed"], &got["last_text"]), (want, want, want), "{got}");
+    let (status, last) = match plain["choices"][0]["finish_reason"].as_str() {
+        Some("length") => ("incomplete", "response.incomplete"),
+        _ => ("completed", "response.completed"),
+    };
+    assert_eq!((got["whole_status"].as_str(), got["last_event"].as_str()), (Some(status), Some(last)), "{got}");
+    assert_eq!(got["input_tokens"], plain["usage"]["prompt_tokens"]);
+    assert_eq!(got["output_tokens"], plain["usage"]["completion_tokens"]);
+    let want = &structured["choices"][0]["message"]["content"];
+    assert_eq!((&got["structured"], &got["structured_pieces"]), (want, want), "{got}");
+    assert_eq!(got["structured_status"], "completed", "{got}");
+    let call = &called["choices"][0]["message"]["tool_calls"][0]["function"];
+    assert_eq!(
+        got["call"],
+        serde_json::json!({ "type": "function_call", "name": "pick_colours", "arguments": call["arguments"] })
+    );
 }

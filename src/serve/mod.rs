@@ -1,7 +1,8 @@
 //! `sift serve`: an OpenAI-compatible HTTP server, and a chat page for the browser.
 //!
 //! Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streamed as server-sent
-//! events with `"stream": true`), `POST /v1/embeddings`, `GET /v1/models`, `GET /health`,
+//! events with `"stream": true`), the Responses API's `POST /v1/responses` ([`responses`]),
+//! `POST /v1/embeddings`, `GET /v1/models`, `GET /health`,
 //! llama.cpp's `POST /tokenize`, `POST /detokenize` and `GET /props`, Anthropic's `POST /v1/messages`
 //! ([`anthropic`]), Ollama's `/api/chat`, `/api/generate`, `/api/embed`, `/api/tags`, `/api/show`
 //! and the rest ([`ollama`]), and the chat page at `GET /`.
@@ -21,6 +22,7 @@ mod api;
 mod cors;
 mod error;
 mod ollama;
+mod responses;
 mod routes;
 mod worker;
 

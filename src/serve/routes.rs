@@ -38,8 +38,8 @@ use super::api::{
     TextLogprobs, TokenLogprob, TokenizeRequest, Usage, WireCall, WireToolCall,
 };
 use super::error::ApiError;
-use super::ollama;
 use super::worker::{EmbedInput, Event, Finished, Prompt, Queue};
+use super::{ollama, responses};
 use super::{Config, ServeError};
 use crate::chat::Message;
 use crate::tokenizer::Tokenizer;
@@ -97,6 +97,7 @@ pub fn run(
         .route("/v1/completions", post(completions))
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/messages", post(messages))
+        .route("/v1/responses", post(responses::create))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/props", get(properties))
@@ -181,7 +182,7 @@ impl Server {
         }
     }
 
-    fn new_id(&self, prefix: &str) -> String {
+    pub(super) fn new_id(&self, prefix: &str) -> String {
         format!("{prefix}-{:x}-{}", self.started, self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 }
