@@ -394,7 +394,7 @@ struct Chunk<B> {
 }
 
 /// The last line's account of the reply (durations in nanoseconds).
-#[derive(Debug, Clone, Copy, Serialize)]
+#[derive(Debug, Clone, Copy, Default, Serialize)]
 struct Done {
     done_reason: &'static str,
     total_duration: u64,
@@ -501,15 +501,7 @@ impl Head {
 
     /// The answer to a request that only loads the model.
     fn loaded<B: ReplyBody>(&self) -> Response {
-        let end = Done {
-            done_reason: "load",
-            total_duration: 0,
-            load_duration: 0,
-            prompt_eval_count: 0,
-            prompt_eval_duration: 0,
-            eval_count: 0,
-            eval_duration: 0,
-        };
+        let end = Done { done_reason: "load", ..Done::default() };
         Json(self.chunk(B::text(String::new()), Some(end))).into_response()
     }
 }
