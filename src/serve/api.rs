@@ -60,21 +60,8 @@ impl ChatRequest {
     /// The tools offered and what the model must do with them; none where no tools are given
     /// or `tool_choice` is `"none"`.
     pub fn toolbox(&self) -> Result<Option<Toolbox>, ApiError> {
-        use serde_json::Value;
-        let choice = match &self.tool_choice {
-            None if self.tools.is_empty() => return Ok(None),
-            None => ToolChoice::Auto,
-            Some(Value::String(choice)) => match choice.as_str() {
-                "none" => return Ok(None),
-                "auto" if self.tools.is_empty() => return Ok(None),
-                "auto" => ToolChoice::Auto,
-                "required" => ToolChoice::Required,
-                other => return Err(ApiError::invalid(format!("tool_choice {other:?} is not one sift knows"))),
-            },
-            Some(choice) => match choice.pointer("/function/name").and_then(Value::as_str) {
-                Some(name) if choice["type"] == "function" => ToolChoice::Function(name.to_string()),
-                _ => return Err(ApiError::invalid(format!("tool_choice {choice} is not one sift knows"))),
-            },
+        let Some(choice) = tool_choice(self.tool_choice.as_ref(), !self.tools.is_empty(), "/function/name")? else {
+            return Ok(None);
         };
         let tools = self.tools.iter().map(WireTool::to_tool).collect::<Result<Vec<_>, _>>()?;
         let parallel = self.parallel_tool_calls.unwrap_or(true);
@@ -85,6 +72,33 @@ impl ChatRequest {
     pub fn conversation(&self) -> Result<Vec<Message>, ApiError> {
         conversation(&self.messages)
     }
+}
+
+/// `tool_choice` as OpenAI's APIs take it: `"none"`, `"auto"` (the default where tools are
+/// given), `"required"`, or an object naming a function, its name at the JSON pointer `name_at`
+/// (`/function/name` in the chat API's `{"type": "function", "function": {"name"}}`, `/name` in
+/// the Responses API's `{"type": "function", "name"}`). `None` where no tools are offered.
+pub fn tool_choice(
+    choice: Option<&serde_json::Value>,
+    any_tools: bool,
+    name_at: &str,
+) -> Result<Option<ToolChoice>, ApiError> {
+    use serde_json::Value;
+    Ok(Some(match choice {
+        None if !any_tools => return Ok(None),
+        None => ToolChoice::Auto,
+        Some(Value::String(choice)) => match choice.as_str() {
+            "none" => return Ok(None),
+            "auto" if !any_tools => return Ok(None),
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => return Err(ApiError::invalid(format!("tool_choice {other:?} is not one sift knows"))),
+        },
+        Some(choice) => match choice.pointer(name_at).and_then(Value::as_str) {
+            Some(name) if choice["type"] == "function" => ToolChoice::Function(name.to_string()),
+            _ => return Err(ApiError::invalid(format!("tool_choice {choice} is not one sift knows"))),
+        },
+    }))
 }
 
 impl WireTool {

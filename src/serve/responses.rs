@@ -41,7 +41,7 @@ use super::error::ApiError;
 use super::routes::{gather, json, offer_tools, parse, started, unix_now, Gathered, Relay, Relayed, Server};
 use super::worker::{Event, Finished, Prompt};
 use crate::generate::StopReason;
-use crate::tools::{Reply, Tool, ToolChoice, Toolbox};
+use crate::tools::{Reply, Tool, Toolbox};
 
 /// `POST /v1/responses`.
 #[derive(Debug, Deserialize)]
@@ -225,20 +225,8 @@ impl ResponsesRequest {
     /// The tools offered and what the model must do with them; none where no tools are given
     /// or `tool_choice` is `"none"`.
     pub fn toolbox(&self) -> Result<Option<Toolbox>, ApiError> {
-        let choice = match &self.tool_choice {
-            None if self.tools.is_empty() => return Ok(None),
-            None => ToolChoice::Auto,
-            Some(Value::String(choice)) => match choice.as_str() {
-                "none" => return Ok(None),
-                "auto" if self.tools.is_empty() => return Ok(None),
-                "auto" => ToolChoice::Auto,
-                "required" => ToolChoice::Required,
-                other => return Err(ApiError::invalid(format!("tool_choice {other:?} is not one sift knows"))),
-            },
-            Some(choice) => match (choice["type"].as_str(), choice["name"].as_str()) {
-                (Some("function"), Some(name)) => ToolChoice::Function(name.to_string()),
-                _ => return Err(ApiError::invalid(format!("tool_choice {choice} is not one sift knows"))),
-            },
+        let Some(choice) = api::tool_choice(self.tool_choice.as_ref(), !self.tools.is_empty(), "/name")? else {
+            return Ok(None);
         };
         let tools = (self.tools.iter().enumerate())
             .map(|(i, tool)| match (tool.kind.as_str(), &tool.name) {
