@@ -289,6 +289,12 @@ fn listings_describe_the_model_and_embeddings_are_the_openai_routes() {
     let running: Value = serde_json::from_str(&running).unwrap();
     assert_eq!(running["models"][0]["context_length"], props["default_generation_settings"]["n_ctx"]);
     assert_eq!(running["models"][0]["name"], name);
+    // The routes that manage models say why they do not; unknown ones are a 404, both in Ollama's shape.
+    for (path, status, needle) in [("/api/pull", 501, "serves the one model"), ("/api/nothing", 404, "/api/nothing")] {
+        let (got, text, _) = server.post_raw(path, json!({ "model": "llama3:8b" }).to_string().as_bytes(), &[]);
+        assert_eq!(got, status, "{path}: {text}");
+        assert!(serde_json::from_str::<Value>(&text).unwrap()["error"].as_str().unwrap().contains(needle), "{text}");
+    }
     let (_, version) = server.get("/api/version", &[]);
     assert_eq!(serde_json::from_str::<Value>(&version).unwrap()["version"], env!("CARGO_PKG_VERSION"));
 

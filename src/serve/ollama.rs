@@ -14,7 +14,9 @@
 //! - `POST /api/embed` (`input`: a text or texts; unit-length vectors, as `/v1/embeddings`) and
 //!   the older `POST /api/embeddings` (`prompt`: one text).
 //! - `GET /api/tags`, `GET /api/ps`, `POST /api/show` and `GET /api/version`: the one model the
-//!   server serves, listed as `NAME:latest` after its file, with what its file says of it.
+//!   server serves, listed as `NAME:latest` after its file, with what its file says of it. The
+//!   routes that manage models (`/api/pull`, `push`, `create`, `copy`, `delete`) are a 501 that
+//!   says the server serves the file it was started with; other `/api/` paths are a 404.
 //!
 //! Both `/api/chat` and `/api/generate` stream by default, one JSON object a line
 //! (`application/x-ndjson`): a line per piece of text with `"done": false`, then a last line with
@@ -738,6 +740,17 @@ pub(super) async fn show(State(server): State<Arc<Server>>, body: Result<Bytes, 
         .into_response())
     };
     handle.await.unwrap_or_else(error_response)
+}
+
+/// `/api/pull`, `/api/push`, `/api/create`, `/api/copy` and `/api/delete`: a server serves the
+/// one model file it was started with, so these are a 501 that says so.
+pub(super) async fn unmanaged(State(server): State<Arc<Server>>) -> Response {
+    let message = format!(
+        "sift serves the one model it was started with ({}) and manages no others; start `sift serve -m FILE` to \
+         serve another GGUF file",
+        listed_name(&server)
+    );
+    error_response(ApiError { status: axum::http::StatusCode::NOT_IMPLEMENTED, ..ApiError::invalid(message) })
 }
 
 /// An error as Ollama writes it.

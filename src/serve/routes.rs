@@ -19,7 +19,7 @@ use axum::http::{header, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use axum::{Json, Router};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -109,7 +109,17 @@ pub fn run(
         .route("/api/ps", get(ollama::running))
         .route("/api/show", post(ollama::show))
         .route("/api/version", get(ollama::version))
-        .fallback(|uri: Uri| async move { ApiError::not_found(uri.path()) })
+        .route("/api/pull", post(ollama::unmanaged))
+        .route("/api/push", post(ollama::unmanaged))
+        .route("/api/create", post(ollama::unmanaged))
+        .route("/api/copy", post(ollama::unmanaged))
+        .route("/api/delete", delete(ollama::unmanaged))
+        .fallback(|uri: Uri| async move {
+            match uri.path().starts_with("/api/") {
+                true => ollama::error_response(ApiError::not_found(uri.path())),
+                false => ApiError::not_found(uri.path()).into_response(),
+            }
+        })
         .layer(middleware::from_fn_with_state(server.clone(), authorize))
         .layer(DefaultBodyLimit::max(max_body))
         .layer(cors)
