@@ -1,7 +1,8 @@
 //! `sift serve`'s `/v1/responses` through a real HTTP client, against `/v1/chat/completions`: the
 //! same greedy text, stop and token counts, whole and as the API's named events; structured
 //! output through `text.format`; tool calls as `function_call` items and the reply after their
-//! output; and the 400s for what sift cannot do.
+//! output; a conversation gone on from a kept response as the same conversation sent whole;
+//! and the 400s for what sift cannot do.
 
 mod common;
 
@@ -75,6 +76,9 @@ fn responses_reply_as_chat_completions_do_whole_and_streamed() {
     let last = &events.last().unwrap().1["response"];
     assert_eq!((output_text(last), last["status"].as_str()), (want.to_string(), Some(status_want)));
     assert_eq!(last["id"], events[0].1["response"]["id"], "one response throughout");
+    let (status, kept) = server.get(&format!("/v1/responses/{}", last["id"].as_str().unwrap()), &[]);
+    assert_eq!(status, 200, "a streamed response is kept too");
+    assert_eq!(serde_json::from_str::<Value>(&kept).unwrap(), *last);
     let item = &events[events.len() - 2].1["item"];
     assert_eq!(item["id"], events[2].1["item"]["id"]);
     assert_eq!(*item, last["output"][0]);
@@ -201,4 +205,87 @@ fn function_calls_are_chat_completions_tool_calls() {
         }
         false => assert_eq!(output_text(&response), choice["message"]["content"].as_str().unwrap(), "{response}"),
     }
+}
+
+/// `previous_response_id` goes on from a kept response as if its turns were sent again; a kept
+/// response is given back and forgotten on request.
+#[test]
+fn a_kept_response_goes_on_as_the_whole_conversation_would() {
+    common::default_model();
+    let server = Server::start(&["--temp", "0"]);
+    let (status, first) =
+        server.post("/v1/responses", &json!({ "instructions": SYSTEM, "input": QUESTION, "max_output_tokens": 16 }));
+    assert_eq!(status, 200, "{first}");
+    let id = first["id"].as_str().unwrap();
+    assert_eq!(first["store"], true);
+    let (status, text) = server.get(&format!("/v1/responses/{id}"), &[]);
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), first);
+
+    // The next turn from the kept one (the instructions are the new request's own), and the same
+    // conversation sent whole, not kept.
+    let (status, next) = server.post(
+        "/v1/responses",
+        &json!({ "previous_response_id": id, "instructions": SYSTEM, "input": "Why?", "max_output_tokens": 16 }),
+    );
+    assert_eq!(status, 200, "{next}");
+    assert_eq!(next["previous_response_id"], id);
+    let whole = json!({
+        "instructions": SYSTEM, "max_output_tokens": 16, "store": false,
+        "input": [
+            { "role": "user", "content": QUESTION },
+            { "role": "assistant", "content": output_text(&first) },
+            { "role": "user", "content": "Why?" },
+        ],
+    });
+    let (status, sent) = server.post("/v1/responses", &whole);
+    assert_eq!(status, 200, "{sent}");
+    assert_eq!(output_text(&next), output_text(&sent));
+    assert_eq!(next["usage"]["input_tokens"], sent["usage"]["input_tokens"]);
+    let (status, _) = server.get(&format!("/v1/responses/{}", sent["id"].as_str().unwrap()), &[]);
+    assert_eq!(status, 404, "\"store\": false is not kept");
+
+    // A call's output, on from the response that made the call.
+    let weather = json!({ "type": "object", "properties": { "city": { "enum": ["Oslo", "Rome"] } }, "required": ["city"], "additionalProperties": false });
+    let tools = json!([{ "type": "function", "name": "weather", "parameters": weather }]);
+    let question = "What is the weather in Oslo today?";
+    let (_, called) = server.post(
+        "/v1/responses",
+        &json!({ "input": question, "tools": tools, "tool_choice": "required", "parallel_tool_calls": false, "max_output_tokens": 60 }),
+    );
+    let call = &called["output"][0];
+    assert_eq!(call["type"], "function_call", "{called}");
+    let output = json!({ "type": "function_call_output", "call_id": call["call_id"], "output": "Sunny, 21 degrees." });
+    let (_, answered) = server.post(
+        "/v1/responses",
+        &json!({ "previous_response_id": called["id"], "input": [output], "tools": tools, "max_output_tokens": 30 }),
+    );
+    let whole = json!({
+        "tools": tools, "max_output_tokens": 30, "store": false,
+        "input": [
+            { "role": "user", "content": question },
+            { "type": "function_call", "call_id": call["call_id"], "name": "weather", "arguments": call["arguments"] },
+            output,
+        ],
+    });
+    let (_, sent) = server.post("/v1/responses", &whole);
+    assert_eq!(answered["usage"]["input_tokens"], sent["usage"]["input_tokens"], "{answered} {sent}");
+    // The items but for their ids, which are each response's own.
+    let items = |response: &Value| -> Vec<Value> {
+        let items = response["output"].as_array().unwrap().iter();
+        items.map(|item| json!([item["type"], item["name"], item["arguments"], item["content"]])).collect()
+    };
+    assert_eq!(items(&answered), items(&sent));
+
+    let (status, text) = server.delete(&format!("/v1/responses/{id}"));
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&text).unwrap(),
+        json!({ "id": id, "object": "response.deleted", "deleted": true })
+    );
+    let (status, _) = server.get(&format!("/v1/responses/{id}"), &[]);
+    assert_eq!(status, 404);
+    let (status, body) = server.post("/v1/responses", &json!({ "previous_response_id": id, "input": "Why?" }));
+    assert_eq!(status, 400, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("no response"), "{body}");
 }

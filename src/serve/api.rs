@@ -518,7 +518,7 @@ pub enum PromptText {
     Many(Vec<String>),
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     #[serde(default)]
@@ -550,7 +550,7 @@ fn function() -> String {
     "function".into()
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
 pub enum Content {
     Text(String),
@@ -558,7 +558,7 @@ pub enum Content {
 }
 
 /// One part of a message's content; only text parts are read.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 pub struct Part {
     #[serde(rename = "type")]
     pub kind: String,

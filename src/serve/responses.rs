@@ -11,10 +11,12 @@
 //! `schema`) set what they name. The reply is an `output` of one `message` with one
 //! `output_text`, or of `function_call`s; `status` is `completed`, or `incomplete` with
 //! `incomplete_details.reason: "max_output_tokens"` where the token limit or the context ended
-//! it. Nothing is stored: `previous_response_id` is refused (send the conversation again; the
-//! server's cache keeps what it has read), as are images, files and hosted tools, each with a
-//! 400 that names it. Streamed, the reply is the API's named events, each with its
-//! `sequence_number`: `response.created`, `response.in_progress`, then per output item
+//! it. The server keeps its last responses in memory ([`Store`]; not those asked with
+//! `"store": false`): `previous_response_id` goes on from one (its turns and its reply, not its
+//! instructions, come before the request's input), `GET /v1/responses/{id}` gives one back and
+//! `DELETE` forgets it. Images, files and hosted tools are refused with a 400 that names them.
+//! Streamed, the reply is the API's named events, each with its `sequence_number`:
+//! `response.created`, `response.in_progress`, then per output item
 //! `response.output_item.added`, for a message `response.content_part.added`, a
 //! `response.output_text.delta` per piece, `response.output_text.done` and
 //! `response.content_part.done`, for a call one `response.function_call_arguments.delta` and
@@ -22,12 +24,14 @@
 //! `response.incomplete`) with the whole response. A reply that may be calls is held until it
 //! ends, as on the chat route. Errors are OpenAI's.
 
+use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::State;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -61,6 +65,9 @@ pub struct ResponsesRequest {
     #[serde(default)]
     pub stream: bool,
     pub previous_response_id: Option<String>,
+    /// Whether the response is kept, for `previous_response_id` and `GET /v1/responses/{id}`
+    /// (the default).
+    pub store: Option<bool>,
     pub metadata: Option<Value>,
 }
 
@@ -119,6 +126,17 @@ pub struct TextOptions {
     pub format: Option<Value>,
 }
 
+/// A message of the chat route's form.
+fn message(role: &str, text: Option<String>) -> ChatMessage {
+    ChatMessage {
+        role: role.to_string(),
+        content: text.map(api::Content::Text),
+        tool_calls: None,
+        tool_call_id: None,
+        name: None,
+    }
+}
+
 impl ItemContent {
     /// The text of the content's parts, joined; `field` names it in errors.
     fn text(&self, field: &str) -> Result<String, ApiError> {
@@ -139,31 +157,10 @@ impl ItemContent {
 }
 
 impl ResponsesRequest {
-    /// What the request asks for and sift cannot do.
-    fn refuse_unsupported(&self) -> Result<(), ApiError> {
-        if self.previous_response_id.is_some() {
-            return Err(ApiError::invalid(
-                "previous_response_id: sift stores no responses; send the whole conversation in input (the \
-                 server's cache keeps what it has already read)",
-            ));
-        }
-        Ok(())
-    }
-
-    /// The conversation as a chat template reads it: the instructions as the system message,
-    /// then the items in the chat route's form, written as that route writes its own.
-    pub fn conversation(&self) -> Result<Vec<crate::chat::Message>, ApiError> {
-        let mut wire: Vec<ChatMessage> = Vec::new();
-        let message = |role: &str, text: Option<String>| ChatMessage {
-            role: role.to_string(),
-            content: text.map(api::Content::Text),
-            tool_calls: None,
-            tool_call_id: None,
-            name: None,
-        };
-        if let Some(instructions) = &self.instructions {
-            wire.push(message("system", Some(instructions.clone())));
-        }
+    /// The request's turns in the chat route's form, after `previous` (the turns of the
+    /// response it goes on from): its input items, written as that route writes its own.
+    fn turns(&self, previous: Vec<ChatMessage>) -> Result<Vec<ChatMessage>, ApiError> {
+        let mut wire = previous;
         let items = match &self.input {
             Input::Text(text) => {
                 wire.push(message("user", Some(text.clone())));
@@ -219,7 +216,14 @@ impl ResponsesRequest {
                 }
             }
         }
-        api::conversation(&wire)
+        Ok(wire)
+    }
+
+    /// The conversation as a chat template reads it: the instructions as the system message
+    /// (a response's own, not carried over to the next), then `turns`.
+    fn conversation(&self, turns: &[ChatMessage]) -> Result<Vec<crate::chat::Message>, ApiError> {
+        let system = self.instructions.iter().map(|text| message("system", Some(text.clone())));
+        api::conversation(&system.chain(turns.iter().cloned()).collect::<Vec<_>>())
     }
 
     /// The tools offered and what the model must do with them; none where no tools are given
@@ -383,6 +387,23 @@ impl OutputItem {
 }
 
 impl ResponseObject {
+    /// The response's reply as the chat route's turn: its text, or its calls with their ids.
+    fn output_turn(&self) -> ChatMessage {
+        let (mut text, mut calls) = (String::new(), Vec::new());
+        for item in &self.output {
+            match item {
+                OutputItem::Message { content, .. } => content.iter().for_each(|part| text += &part.text),
+                OutputItem::FunctionCall { call_id, name, arguments, .. } => calls.push(WireToolCall {
+                    id: Some(call_id.clone()),
+                    kind: "function".into(),
+                    function: WireCall { name: name.clone(), arguments: arguments.clone() },
+                }),
+            }
+        }
+        let calls = (!calls.is_empty()).then_some(calls);
+        ChatMessage { tool_calls: calls, ..message("assistant", Some(text)) }
+    }
+
     /// The response as it starts: in progress, with no output yet.
     fn started(id: String, request: &ResponsesRequest, params: &api::Params, model: String) -> Self {
         let format = request.text.as_ref().and_then(|text| text.format.clone());
@@ -398,8 +419,8 @@ impl ResponseObject {
             model,
             output: Vec::new(),
             parallel_tool_calls: request.parallel_tool_calls.unwrap_or(true),
-            previous_response_id: None,
-            store: false,
+            previous_response_id: request.previous_response_id.clone(),
+            store: request.store != Some(false),
             temperature: params.sampling.temperature,
             top_p: params.sampling.top_p,
             text: serde_json::json!({ "format": format.unwrap_or_else(|| serde_json::json!({ "type": "text" })) }),
@@ -435,9 +456,13 @@ impl ResponseObject {
 pub(super) async fn create(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
     let handle = async {
         let request: ResponsesRequest = parse(body)?;
-        request.refuse_unsupported()?;
+        let previous = match &request.previous_response_id {
+            Some(id) => server.responses.turns(id)?,
+            None => Vec::new(),
+        };
         let toolbox = request.toolbox()?;
-        let mut messages = request.conversation()?;
+        let turns = request.turns(previous)?;
+        let mut messages = request.conversation(&turns)?;
         let response_format = request.response_format()?;
         if toolbox.is_some() && response_format.is_some() {
             return Err(ApiError::invalid("tools and text.format cannot both shape a reply: send one"));
@@ -461,14 +486,104 @@ pub(super) async fn create(State(server): State<Arc<Server>>, body: Result<Bytes
         let mut events = server.queue.submit(Prompt::Chat(messages), params)?;
         let usage = started(&mut events).await?;
         let prompt = (usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens);
+        // Where the response is to be kept: the store, and the turns it goes on from.
+        let keep = (request.store != Some(false)).then(|| (server.responses.clone(), turns));
         if request.stream {
-            return Ok(stream(response, prompt, toolbox, events));
+            return Ok(stream(response, prompt, toolbox, events, keep));
         }
         let Gathered { text, finished, .. } = gather(events).await?;
         let output = OutputItem::reply(text, toolbox.as_ref(), &response.id);
-        Ok(Json(response.finished(output, &finished, prompt)).into_response())
+        let response = response.finished(output, &finished, prompt);
+        if let Some((store, turns)) = keep {
+            store.keep(&response, turns);
+        }
+        Ok(Json(response).into_response())
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())
+}
+
+/// `GET /v1/responses/{id}`: a response kept.
+pub(super) async fn retrieve(State(server): State<Arc<Server>>, Path(id): Path<String>) -> Response {
+    match server.responses.response(&id) {
+        Ok(response) => Json(response).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`: forgets a response kept.
+pub(super) async fn delete(State(server): State<Arc<Server>>, Path(id): Path<String>) -> Response {
+    match server.responses.forget(&id) {
+        Ok(()) => Json(serde_json::json!({ "id": id, "object": "response.deleted", "deleted": true })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The responses kept in memory, the newest last, [`Store::KEPT`] at most: each with the turns
+/// of its conversation, its reply's included, for a request that goes on from it
+/// (`previous_response_id`). They are gone when the server stops.
+#[derive(Debug, Default)]
+pub struct Store {
+    kept: Mutex<VecDeque<Kept>>,
+}
+
+#[derive(Debug)]
+struct Kept {
+    response: ResponseObject,
+    /// The conversation's turns, up to the response's reply and with it (its instructions left
+    /// out: they are a response's own).
+    turns: Vec<ChatMessage>,
+}
+
+impl Store {
+    /// The most responses kept; the oldest goes first.
+    const KEPT: usize = 256;
+
+    /// Keeps `response`, whose conversation's turns before its reply were `turns`.
+    fn keep(&self, response: &ResponseObject, mut turns: Vec<ChatMessage>) {
+        turns.push(response.output_turn());
+        let mut kept = self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if kept.len() == Self::KEPT {
+            kept.pop_front();
+        }
+        kept.push_back(Kept { response: response.clone(), turns });
+    }
+
+    fn find<T>(&self, id: &str, what: impl FnOnce(&Kept) -> T) -> Result<T, ApiError> {
+        let kept = self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        kept.iter().find(|kept| kept.response.id == id).map(what).ok_or_else(|| not_kept(id))
+    }
+
+    /// The turns of the conversation `id` ended.
+    fn turns(&self, id: &str) -> Result<Vec<ChatMessage>, ApiError> {
+        self.find(id, |kept| kept.turns.clone()).map_err(|e| ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("previous_response_id: {}", e.message),
+            ..e
+        })
+    }
+
+    fn response(&self, id: &str) -> Result<ResponseObject, ApiError> {
+        self.find(id, |kept| kept.response.clone())
+    }
+
+    fn forget(&self, id: &str) -> Result<(), ApiError> {
+        let mut kept = self.kept.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = kept.iter().position(|kept| kept.response.id == id).ok_or_else(|| not_kept(id))?;
+        kept.remove(at);
+        Ok(())
+    }
+}
+
+/// 404: no response `id` is kept.
+fn not_kept(id: &str) -> ApiError {
+    ApiError {
+        message: format!(
+            "no response '{id}' is kept here (the server keeps the last {} it gave, while it runs, unless asked \
+             not to with \"store\": false)",
+            Store::KEPT
+        ),
+        ..ApiError::not_found("")
+    }
 }
 
 /// A stream's events, named by `type`.
@@ -596,6 +711,7 @@ fn stream(
     prompt: (usize, usize),
     toolbox: Option<Toolbox>,
     events: UnboundedReceiver<Event>,
+    keep: Option<(Arc<Store>, Vec<ChatMessage>)>,
 ) -> Response {
     let (sse, body) = channel::<Result<SseEvent, Infallible>>(64);
     let mut relay = Relay::new(events, toolbox);
@@ -657,6 +773,9 @@ fn stream(
                         }
                     };
                     let response = response.finished(output, &finished, prompt);
+                    if let Some((store, turns)) = keep {
+                        store.keep(&response, turns);
+                    }
                     events.push(match response.status {
                         "incomplete" => StreamEvent::Incomplete { response },
                         _ => StreamEvent::Completed { response },

@@ -61,6 +61,8 @@ pub(super) struct Server {
     pub(super) n_vocab: usize,
     /// The length of an embedding.
     pub(super) n_embd: usize,
+    /// The responses of `/v1/responses` kept for the requests that go on from them.
+    pub(super) responses: Arc<responses::Store>,
     started: u64,
     next_id: AtomicU64,
 }
@@ -85,6 +87,7 @@ pub fn run(
         n_ctx,
         n_vocab,
         n_embd,
+        responses: Arc::default(),
         started: unix_now(),
         next_id: AtomicU64::new(1),
     });
@@ -98,6 +101,7 @@ pub fn run(
         .route("/v1/embeddings", post(embeddings))
         .route("/v1/messages", post(messages))
         .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/props", get(properties))

@@ -85,6 +85,11 @@ impl Server {
         (response.status().as_u16(), response.body_mut().read_to_string().expect("read the body"))
     }
 
+    pub fn delete(&self, path: &str) -> (u16, String) {
+        let mut response = self.agent.delete(self.url(path)).call().expect("DELETE");
+        (response.status().as_u16(), response.body_mut().read_to_string().expect("read the body"))
+    }
+
     /// A CORS preflight from a page of `origin` before a POST to `path` with an API key: the
     /// status and the `Access-Control-Allow-*` headers, by name.
     pub fn preflight(&self, path: &str, origin: &str) -> (u16, Vec<(String, String)>) {
