@@ -701,19 +701,25 @@ fn browser_pages_of_this_machine_may_call_the_api_and_other_sites_only_when_name
         headers.iter().any(|(name, value)| name == "access-control-allow-origin" && value == origin)
     };
     for origin in ["http://localhost:3000", "http://127.0.0.1:5173", "https://chat.example.com"] {
-        let (status, headers) = server.preflight("/v1/chat/completions", origin);
-        assert_eq!(status, 200, "preflight from {origin}: {headers:?}");
-        assert!(allows(&headers, origin), "preflight from {origin}: {headers:?}");
-        let asked = headers.iter().find(|(name, _)| name == "access-control-allow-headers");
-        let asked = asked.map(|(_, v)| v.as_str()).unwrap_or("");
-        assert!(asked.contains("authorization") && asked.contains("x-api-key"), "{headers:?}");
+        for (path, method) in [("/v1/chat/completions", "POST"), ("/v1/responses/resp_1", "DELETE")] {
+            let (status, headers) = server.preflight(path, origin, method);
+            assert_eq!(status, 200, "preflight from {origin}: {headers:?}");
+            assert!(allows(&headers, origin), "preflight from {origin}: {headers:?}");
+            let value = |field: &str| {
+                let header = headers.iter().find(|(name, _)| name == field);
+                header.map(|(_, v)| v.to_ascii_lowercase()).unwrap_or_default()
+            };
+            let allowed = value("access-control-allow-headers");
+            assert!(Server::CLIENT_HEADERS.split(',').all(|h| allowed.contains(h)), "{headers:?}");
+            assert!(value("access-control-allow-methods").contains(&method.to_ascii_lowercase()), "{headers:?}");
+        }
         let (status, headers) = server.get_from("/v1/models", origin, &key);
         assert_eq!(status, 200);
         assert!(allows(&headers, origin), "GET from {origin}: {headers:?}");
         assert_eq!(server.get_from("/v1/models", origin, &[]).0, 401, "the key is still needed");
     }
     for origin in ["https://example.com", "http://localhost.example.com"] {
-        let (_, headers) = server.preflight("/v1/chat/completions", origin);
+        let (_, headers) = server.preflight("/v1/chat/completions", origin, "POST");
         assert!(headers.iter().all(|(name, _)| name != "access-control-allow-origin"), "{origin}: {headers:?}");
         let (_, headers) = server.get_from("/v1/models", origin, &key);
         assert!(headers.iter().all(|(name, _)| name != "access-control-allow-origin"), "{origin}: {headers:?}");

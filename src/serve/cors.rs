@@ -13,8 +13,8 @@
 use std::net::IpAddr;
 use std::time::Duration;
 
-use axum::http::{header, HeaderName, HeaderValue, Method, Uri};
-use tower_http::cors::{AllowOrigin, CorsLayer};
+use axum::http::{header, HeaderValue, Method, Uri};
+use tower_http::cors::{AllowHeaders, AllowOrigin, CorsLayer};
 
 /// The origins allowed besides this machine's own pages.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -63,16 +63,12 @@ impl Origins {
         };
         CorsLayer::new()
             .allow_origin(allowed)
-            .allow_methods([Method::GET, Method::POST])
-            // The key as OpenAI's clients send it, and as Anthropic's do with their version (and,
-            // from a browser, their consent to be called from one).
-            .allow_headers([
-                header::AUTHORIZATION,
-                header::CONTENT_TYPE,
-                HeaderName::from_static("x-api-key"),
-                HeaderName::from_static("anthropic-version"),
-                HeaderName::from_static("anthropic-dangerous-direct-browser-access"),
-            ])
+            .allow_methods([Method::GET, Method::POST, Method::DELETE])
+            // Whatever headers the page asks to send: the key as OpenAI's clients send it or as
+            // Anthropic's do, with their version, and the SDKs' own (`x-stainless-*`), which
+            // grow with their releases. Which pages may call is the origin's to decide, and the
+            // key is asked of every one.
+            .allow_headers(AllowHeaders::mirror_request())
             .expose_headers([header::RETRY_AFTER])
             .max_age(Duration::from_secs(600))
     }

@@ -90,15 +90,20 @@ impl Server {
         (response.status().as_u16(), response.body_mut().read_to_string().expect("read the body"))
     }
 
-    /// A CORS preflight from a page of `origin` before a POST to `path` with an API key: the
-    /// status and the `Access-Control-Allow-*` headers, by name.
-    pub fn preflight(&self, path: &str, origin: &str) -> (u16, Vec<(String, String)>) {
+    /// The headers the official clients send from a browser besides the body's type: the key
+    /// (as OpenAI's and Anthropic's send it), Anthropic's version, and the SDKs' own.
+    pub const CLIENT_HEADERS: &str =
+        "authorization,content-type,x-api-key,anthropic-version,x-stainless-os,x-stainless-retry-count";
+
+    /// A CORS preflight from a page of `origin` before a `method` request to `path` with
+    /// [`Self::CLIENT_HEADERS`]: the status and the `Access-Control-Allow-*` headers, by name.
+    pub fn preflight(&self, path: &str, origin: &str, method: &str) -> (u16, Vec<(String, String)>) {
         let response = self
             .agent
             .options(self.url(path))
             .header("Origin", origin)
-            .header("Access-Control-Request-Method", "POST")
-            .header("Access-Control-Request-Headers", "authorization,content-type")
+            .header("Access-Control-Request-Method", method)
+            .header("Access-Control-Request-Headers", Self::CLIENT_HEADERS)
             .call()
             .expect("OPTIONS");
         (response.status().as_u16(), cors_headers(response.headers()))
