@@ -451,6 +451,23 @@ fn the_model_is_retrieved_by_its_name() {
     assert_eq!(status, 404, "{error}");
     let error: Value = serde_json::from_str(&error).unwrap();
     assert_eq!(error["error"]["code"], "model_not_found", "{error}");
+
+    // --alias names the model everywhere a name is shown.
+    let server = Server::start(&["--alias", "gemma3:270m"]);
+    let (_, models) = server.get("/v1/models", &[]);
+    assert_eq!(serde_json::from_str::<Value>(&models).unwrap()["data"][0]["id"], "gemma3:270m");
+    let (_, props) = server.get("/props", &[]);
+    assert_eq!(serde_json::from_str::<Value>(&props).unwrap()["model_alias"], "gemma3:270m");
+    let (_, tags) = server.get("/api/tags", &[]);
+    assert_eq!(serde_json::from_str::<Value>(&tags).unwrap()["models"][0]["name"], "gemma3:270m", "a tag is kept");
+    let (status, reply) = server.post("/v1/chat/completions", &greedy(json!([{"role": "user", "content": "Hi"}]), 2));
+    assert_eq!((status, reply["model"].as_str()), (200, Some("gemma3:270m")), "{reply}");
+    for bad in ["", "org/model"] {
+        let o =
+            Command::new(env!("CARGO_BIN_EXE_sift")).args(["serve", "--port", "0", "--alias", bad]).output().unwrap();
+        assert_eq!(o.status.code(), Some(1), "--alias {bad:?}: a usage error");
+        assert!(String::from_utf8_lossy(&o.stderr).contains("--alias"), "{}", String::from_utf8_lossy(&o.stderr));
+    }
 }
 
 /// Tools through `/v1/messages` are `/v1/chat/completions`' tool calls: the same greedy call as a

@@ -46,6 +46,10 @@ pub struct ServeArgs {
     /// Tokens per reply at most, for a request that gives no max_tokens
     #[arg(short = 'n', long = "n-predict", visible_alias = "max-tokens", default_value_t = 1024)]
     n_predict: usize,
+    /// The model's name in responses and listings (`/v1/models`, Ollama's `/api/tags`), for
+    /// apps that show it; the file's name without `.gguf` by default
+    #[arg(long, value_name = "NAME")]
+    alias: Option<String>,
     /// Jinja chat template to use instead of the model's
     #[arg(long, value_name = "FILE")]
     chat_template: Option<PathBuf>,
@@ -63,6 +67,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let policy = args.generation.attention.policy(sampling.seed, false)?;
     let rectify = args.generation.attention.rectify(false)?;
     let origins = Origins::parse(&args.cors_origins).map_err(super::Usage)?;
+    if let Some(alias) = args.alias.as_ref().filter(|alias| alias.trim().is_empty() || alias.contains('/')) {
+        return Err(super::Usage(format!("--alias {alias:?}: a name is needed, without '/'")).into());
+    }
     let file = args.model.open()?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let model = Model::load(&file)?;
@@ -95,7 +102,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     if !args.host.is_loopback() && args.api_key.is_none() {
         eprintln!("sift: warning: listening on {} without --api-key: anyone who can reach it may use it", args.host);
     }
-    let model_id = file.path().file_stem().map_or("sift".into(), |stem| stem.to_string_lossy().into_owned());
+    let model_id = match args.alias {
+        Some(alias) => alias,
+        None => file.path().file_stem().map_or("sift".into(), |stem| stem.to_string_lossy().into_owned()),
+    };
     let config = Config {
         model_id,
         api_key: args.api_key,

@@ -14,7 +14,8 @@
 //! - `POST /api/embed` (`input`: a text or texts; unit-length vectors, as `/v1/embeddings`) and
 //!   the older `POST /api/embeddings` (`prompt`: one text).
 //! - `GET /api/tags`, `GET /api/ps`, `POST /api/show` and `GET /api/version`: the one model the
-//!   server serves, listed as `NAME:latest` after its file, with what its file says of it. The
+//!   server serves, listed by its name (`--alias`, or its file's) tagged `latest` where it has no
+//!   tag, with what its file says of it. The
 //!   routes that manage models (`/api/pull`, `push`, `create`, `copy`, `delete`) are a 501 that
 //!   says the server serves the file it was started with; other `/api/` paths are a 404.
 //!
@@ -508,9 +509,13 @@ impl Head {
     }
 }
 
-/// The model's name in the listings: its file's, tagged `latest`.
+/// The model's name in the listings: the server's, tagged `latest` where it has no tag.
 fn listed_name(server: &Server) -> String {
-    format!("{}:latest", server.config.model_id)
+    let name = &server.config.model_id;
+    match name.contains(':') {
+        true => name.clone(),
+        false => format!("{name}:latest"),
+    }
 }
 
 /// `POST /api/chat`.
