@@ -17,9 +17,8 @@
 
 use std::collections::HashMap;
 
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::http::StatusCode;
+use axum::response::Response;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
@@ -410,9 +409,5 @@ impl ErrorDetail {
 
 /// `e` as Anthropic's API answers it, with `e`'s status (and `Retry-After`).
 pub fn error_response(e: ApiError) -> Response {
-    let mut response = (e.status, Json(StreamEvent::Error { error: ErrorDetail::of(&e) })).into_response();
-    if let Some(seconds) = e.retry_after {
-        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-    }
-    response
+    e.respond(StreamEvent::Error { error: ErrorDetail::of(&e) })
 }

@@ -87,12 +87,20 @@ struct ErrorDetail<'a> {
     code: Option<&'static str>,
 }
 
-impl IntoResponse for ApiError {
-    fn into_response(self) -> Response {
-        let mut response = (self.status, Json(self.body())).into_response();
+impl ApiError {
+    /// The error's status (and `Retry-After`) with `body`, the error as one API writes it.
+    pub fn respond(&self, body: impl Serialize) -> Response {
+        let mut response = (self.status, Json(body)).into_response();
         if let Some(seconds) = self.retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
         }
+        response
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = self.respond(self.body());
         if self.status == StatusCode::UNAUTHORIZED {
             response.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         }

@@ -772,9 +772,5 @@ impl ErrorBody {
 
 /// `e` as Ollama's API answers it, with `e`'s status (and `Retry-After`).
 pub fn error_response(e: ApiError) -> Response {
-    let mut response = (e.status, Json(ErrorBody::of(&e))).into_response();
-    if let Some(seconds) = e.retry_after {
-        response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(seconds));
-    }
-    response
+    e.respond(ErrorBody::of(&e))
 }
