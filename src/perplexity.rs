@@ -102,7 +102,7 @@ pub struct KlReport {
 
 #[derive(Debug, thiserror::Error)]
 pub enum PerplexityError {
-    #[error("the text has {tokens} tokens; a context of {n_ctx} needs at least {n_ctx}")]
+    #[error("the text has {tokens} token{}; a context of {n_ctx} needs at least {n_ctx}", if *tokens == 1 { "" } else { "s" })]
     TooShort { tokens: usize, n_ctx: usize },
     #[error("a stride of {stride} needs a context larger than it (-c {n_ctx})")]
     Stride { stride: usize, n_ctx: usize },

@@ -228,6 +228,20 @@ fn context_beyond_training_is_allowed_with_a_warning() {
 }
 
 #[test]
+fn more_threads_than_cpus_run_with_a_warning() {
+    let Some(model) = tiny_llama() else { return };
+    let m = model.to_str().unwrap();
+    let cpus = std::thread::available_parallelism().unwrap().get();
+    let many = (cpus + 1).to_string();
+    let o = tiny_greedy(m, &["-n", "2", "-t", &many]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let warning = format!("warning: -t {many} is more threads than the {cpus} CPUs sift may run on");
+    assert_eq!(stderr(&o).matches(&warning).count(), 1, "{}", stderr(&o));
+    let o = tiny_greedy(m, &["-n", "2", "-t", "1"]);
+    assert!(!stderr(&o).contains("more threads than"), "{}", stderr(&o));
+}
+
+#[test]
 fn stop_strings_end_the_text_and_are_cut() {
     let Some(model) = tiny_llama() else { return };
     let m = model.to_str().unwrap();
