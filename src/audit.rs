@@ -26,7 +26,7 @@ use crate::kv::KvMode;
 use crate::sample::SamplingParams;
 use crate::tokenizer::Tokenizer;
 
-/// How many of the most likely tokens each token line lists.
+/// How many of the most likely tokens each token line of an audit file lists.
 pub const TOP: usize = 5;
 
 #[derive(Debug, thiserror::Error)]
@@ -94,7 +94,8 @@ pub struct AuditRecord {
     /// while a character spelled in several byte tokens is unfinished.
     pub text: String,
     pub logprob: f32,
-    /// The [`TOP`] most likely tokens, most likely first (ties: lowest id first).
+    /// The most likely tokens ([`TOP`] in an audit file), most likely first (ties: lowest id
+    /// first).
     pub top: Vec<Alternative>,
     /// What the attention of the forward call that computed the logits
     /// promises: the weakest of its heads' certificates.
@@ -110,11 +111,12 @@ pub struct Alternative {
 }
 
 impl AuditRecord {
-    pub fn new(sampled: &Sampled, tokenizer: &Tokenizer, turn: Option<usize>) -> Self {
+    /// The record of a token, with its `top` most likely alternatives.
+    pub fn new(sampled: &Sampled, tokenizer: &Tokenizer, turn: Option<usize>, top: usize) -> Self {
         let logits = sampled.logits;
         let log_z = log_sum_exp(logits);
         let logprob = |id: u32| (f64::from(logits[id as usize]) - log_z) as f32;
-        let top = top_tokens(logits)
+        let top = top_tokens(logits, top)
             .into_iter()
             .map(|id| Alternative {
                 token: id,
@@ -342,7 +344,7 @@ pub fn audit_token(
     let position = sampled.position.saturating_sub(1);
     let rows = sampled.attention.iter().filter_map(|r| AttentionRow::new(r, turn, None, sampled.step, position));
     let written = audit
-        .token(&AuditRecord::new(sampled, tokenizer, turn))
+        .token(&AuditRecord::new(sampled, tokenizer, turn, TOP))
         .and_then(|()| rows.into_iter().try_for_each(|row| audit.attention(&row)));
     match written {
         Ok(()) => ControlFlow::Continue(()),
@@ -369,18 +371,18 @@ fn log_sum_exp(logits: &[f32]) -> f64 {
     f64::from(max) + sum.ln()
 }
 
-/// The ids of the [`TOP`] largest logits, largest first; of equal logits the lowest id comes
+/// The ids of the `k` largest logits, largest first; of equal logits the lowest id comes
 /// first, as greedy sampling picks it.
-fn top_tokens(logits: &[f32]) -> Vec<u32> {
-    let mut top: Vec<(u32, f32)> = Vec::with_capacity(TOP + 1);
+fn top_tokens(logits: &[f32], k: usize) -> Vec<u32> {
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
     for (id, &logit) in logits.iter().enumerate() {
-        if top.len() == TOP && logit <= top[TOP - 1].1 {
+        if top.len() == k && top.last().is_none_or(|&(_, least)| logit <= least) {
             continue;
         }
         // After every equal logit already there: ids arrive in increasing order.
         let at = top.partition_point(|&(_, l)| l >= logit);
         top.insert(at, (id as u32, logit));
-        top.truncate(TOP);
+        top.truncate(k);
     }
     top.into_iter().map(|(id, _)| id).collect()
 }
@@ -392,8 +394,10 @@ mod tests {
     #[test]
     fn top_tokens_are_sorted_and_ties_go_to_the_lowest_id() {
         let logits = [1.0, 3.0, 2.0, 3.0, -1.0, 2.0, 0.5, 3.0];
-        assert_eq!(top_tokens(&logits), vec![1, 3, 7, 2, 5]);
-        assert_eq!(top_tokens(&[0.0, 1.0]), vec![1, 0]);
+        assert_eq!(top_tokens(&logits, 5), vec![1, 3, 7, 2, 5]);
+        assert_eq!(top_tokens(&logits, 2), vec![1, 3]);
+        assert_eq!(top_tokens(&logits, 0), Vec::<u32>::new());
+        assert_eq!(top_tokens(&[0.0, 1.0], 5), vec![1, 0]);
     }
 
     #[test]

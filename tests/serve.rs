@@ -412,6 +412,36 @@ fn logprobs_describe_the_tokens_of_the_reply_whole_and_streamed() {
     }
     assert_eq!(String::from_utf8(bytes).unwrap(), content(&whole));
 
+    // OpenAI's range reaches 20 alternatives: distinct tokens, the 3 above first, the
+    // probabilities summing to at most 1.
+    request["top_logprobs"] = json!(20);
+    let (status, twenty) = server.post("/v1/chat/completions", &request);
+    assert_eq!(status, 200, "{twenty}");
+    let wide = twenty["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(wide.len(), positions.len());
+    for (wide, narrow) in wide.iter().zip(&positions) {
+        let top = wide["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 20, "{wide}");
+        assert_eq!(top[..3], narrow["top_logprobs"].as_array().unwrap()[..], "{wide}");
+        let tokens: std::collections::HashSet<_> = top.iter().map(|t| t["bytes"].to_string()).collect();
+        assert_eq!(tokens.len(), 20, "{wide}");
+        let mass: f64 = top.iter().map(|t| t["logprob"].as_f64().unwrap().exp()).sum();
+        assert!(mass <= 1.0 + 1e-5, "{mass}: {wide}");
+    }
+    request["top_logprobs"] = json!(21);
+    let (status, error) = server.post("/v1/chat/completions", &request);
+    assert_eq!((status, error["error"]["message"].as_str()), (400, Some("top_logprobs must be between 0 and 20")));
+    request["top_logprobs"] = json!(3);
+
+    // Legacy completions list up to 5 (their own range), named by `logprobs`.
+    let text = |n: usize| json!({ "prompt": QUESTION, "max_tokens": 4, "temperature": 0, "logprobs": n });
+    let (status, five) = server.post("/v1/completions", &text(5));
+    assert_eq!(status, 200, "{five}");
+    let listed = five["choices"][0]["logprobs"]["top_logprobs"].as_array().unwrap();
+    assert!(!listed.is_empty() && listed.iter().all(|t| t.as_object().unwrap().len() <= 5), "{five}");
+    let (status, error) = server.post("/v1/completions", &text(6));
+    assert_eq!((status, error["error"]["message"].as_str()), (400, Some("logprobs must be between 0 and 5")));
+
     request["stream"] = json!(true);
     let chunks = server.stream("/v1/chat/completions", &request).collect();
     let streamed: Vec<&Value> =

@@ -8,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::attn::Certificate;
-use crate::audit::{AuditRecord, TOP};
+use crate::audit::AuditRecord;
 use crate::chat::{special_texts, ChatTemplate, Message};
 use crate::generate::StopReason;
 use crate::sample::{clock_seed, SamplingParams};
@@ -57,6 +57,14 @@ pub struct WireFunction {
 }
 
 impl ChatRequest {
+    /// With `logprobs`, how many alternatives each position lists: `top_logprobs`, 0 to 20
+    /// (OpenAI's range).
+    pub fn top_logprobs(&self) -> Result<Option<usize>, ApiError> {
+        let top = self.logprobs.then(|| self.top_logprobs.unwrap_or(0));
+        check(top.is_none_or(|n| n <= 20), "top_logprobs must be between 0 and 20")?;
+        Ok(top)
+    }
+
     /// The tools offered and what the model must do with them; none where no tools are given
     /// or `tool_choice` is `"none"`.
     pub fn toolbox(&self) -> Result<Option<Toolbox>, ApiError> {
@@ -173,6 +181,15 @@ pub struct CompletionRequest {
     /// How many of the most likely tokens each position lists; present, it asks for logprobs.
     #[serde(default)]
     pub logprobs: Option<usize>,
+}
+
+impl CompletionRequest {
+    /// How many alternatives each position lists, where logprobs are asked for: `logprobs`, 0
+    /// to 5 (OpenAI's range for legacy completions).
+    pub fn top_logprobs(&self) -> Result<Option<usize>, ApiError> {
+        check(self.logprobs.is_none_or(|n| n <= 5), "logprobs must be between 0 and 5")?;
+        Ok(self.logprobs)
+    }
 }
 
 /// `POST /v1/embeddings`.
@@ -652,9 +669,6 @@ impl Options {
         }
         sampling.check(n_vocab).map_err(ApiError::invalid)?;
         sampling.seed = self.seed.unwrap_or_else(clock_seed);
-        if let Some(n) = top_logprobs {
-            check(n <= TOP, &format!("top_logprobs must be at most {TOP}"))?;
-        }
         let stop = match &self.stop {
             None => Vec::new(),
             Some(Stop::One(s)) => vec![s.clone()],
@@ -747,8 +761,8 @@ pub struct TopLogprob {
 }
 
 impl TokenLogprob {
-    /// The audit's view of a token, in OpenAI's shape, with the `top` most likely alternatives.
-    pub fn new(record: &AuditRecord, tokenizer: &Tokenizer, top: usize) -> Self {
+    /// The audit's view of a token, in OpenAI's shape, with the record's alternatives.
+    pub fn new(record: &AuditRecord, tokenizer: &Tokenizer) -> Self {
         let bytes = tokenizer.token_bytes(record.token);
         Self {
             token: String::from_utf8_lossy(&bytes).into_owned(),
@@ -757,7 +771,6 @@ impl TokenLogprob {
             top_logprobs: record
                 .top
                 .iter()
-                .take(top)
                 .map(|alt| TopLogprob {
                     token: alt.text.clone(),
                     logprob: alt.logprob,

@@ -221,7 +221,7 @@ async fn chat_completions(State(server): State<Arc<Server>>, body: Result<Bytes,
         }
         let toolbox = request.toolbox()?;
         let mut messages = request.conversation()?;
-        let top = request.logprobs.then(|| request.top_logprobs.unwrap_or(0));
+        let top = request.top_logprobs()?;
         let mut params = request.options.params(&server.config.defaults, top, server.n_vocab)?;
         if let Some(toolbox) = &toolbox {
             if !matches!(request.options.response_format, None | Some(ResponseFormat::Text)) {
@@ -245,8 +245,9 @@ pub(super) fn offer_tools(toolbox: &Toolbox, messages: Vec<Message>, params: &mu
 async fn completions(State(server): State<Arc<Server>>, body: Result<Bytes, BytesRejection>) -> Response {
     let handle = async {
         let request: CompletionRequest = parse(body)?;
+        let top = request.top_logprobs()?;
         let prompt = request.prompt.into_text()?;
-        let params = request.options.params(&server.config.defaults, request.logprobs, server.n_vocab)?;
+        let params = request.options.params(&server.config.defaults, top, server.n_vocab)?;
         complete::<Text>(&server, Prompt::Text(prompt), params, &request.options, None).await
     };
     handle.await.unwrap_or_else(|e: ApiError| e.into_response())

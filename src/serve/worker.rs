@@ -22,7 +22,7 @@ use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::attn::Certificate;
-use crate::audit::{AuditRecord, TOP};
+use crate::audit::AuditRecord;
 use crate::chat::{ChatTemplate, Message};
 use std::collections::VecDeque;
 
@@ -273,8 +273,8 @@ impl<'m> Worker<'m> {
             }
             attention = weaker(attention, Certificate::weakest(sampled.attention));
             if let (Some(top), false) = (params.top_logprobs, tokenizer.is_eog(sampled.token)) {
-                let record = AuditRecord::new(sampled, tokenizer, None);
-                let _ = send(Event::Token(TokenLogprob::new(&record, tokenizer, top.min(TOP))));
+                let record = AuditRecord::new(sampled, tokenizer, None, top);
+                let _ = send(Event::Token(TokenLogprob::new(&record, tokenizer)));
             }
             ControlFlow::Continue(())
         };
