@@ -289,3 +289,51 @@ fn a_kept_response_goes_on_as_the_whole_conversation_would() {
     assert_eq!(status, 400, "{body}");
     assert!(body["error"]["message"].as_str().unwrap().contains("no response"), "{body}");
 }
+
+/// With `include: ["message.output_text.logprobs"]` the output text carries each token's
+/// log-probability and alternatives: those `/v1/chat/completions` gives for the same
+/// conversation, whole and spread over the streamed deltas (each delta's tokens spelling its
+/// text). Without the include there are none, as in OpenAI's API; more than 20 is a 400.
+#[test]
+fn included_logprobs_are_chat_completions_logprobs() {
+    common::default_model();
+    let server = Server::start(&[]);
+    let messages = json!([{ "role": "system", "content": SYSTEM }, { "role": "user", "content": QUESTION }]);
+    let chat = json!({ "messages": messages, "temperature": 0, "max_tokens": 12, "logprobs": true, "top_logprobs": 4 });
+    let (status, chat) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{chat}");
+    let want = chat["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    assert!(!want.is_empty() && want.iter().all(|t| t["top_logprobs"].as_array().unwrap().len() == 4), "{chat}");
+
+    let mut request = json!({
+        "instructions": SYSTEM, "input": QUESTION, "temperature": 0, "max_output_tokens": 12,
+        "include": ["message.output_text.logprobs"], "top_logprobs": 4,
+    });
+    let (status, response) = server.post("/v1/responses", &request);
+    assert_eq!(status, 200, "{response}");
+    assert_eq!(response["output"][0]["content"][0]["logprobs"].as_array().unwrap(), &want);
+
+    request["stream"] = json!(true);
+    let events = server.named_events("/v1/responses", &request, &[]);
+    let mut streamed = Vec::new();
+    for (_, delta) in events.iter().filter(|(name, _)| name == "response.output_text.delta") {
+        let tokens = delta["logprobs"].as_array().unwrap();
+        let bytes: Vec<u8> = tokens
+            .iter()
+            .flat_map(|t| t["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8))
+            .collect();
+        assert_eq!(String::from_utf8(bytes).unwrap(), delta["delta"].as_str().unwrap(), "{delta}");
+        streamed.extend(tokens.iter().cloned());
+    }
+    assert_eq!(streamed, want);
+    let done = events.iter().find(|(name, _)| name == "response.output_text.done").unwrap();
+    assert_eq!(done.1["logprobs"].as_array().unwrap(), &want);
+
+    request["stream"] = json!(false);
+    request["include"] = json!([]);
+    let (_, response) = server.post("/v1/responses", &request);
+    assert_eq!(response["output"][0]["content"][0]["logprobs"], json!([]), "{response}");
+    request["top_logprobs"] = json!(21);
+    let (status, error) = server.post("/v1/responses", &request);
+    assert_eq!((status, error["error"]["message"].as_str()), (400, Some("top_logprobs must be between 0 and 20")));
+}

@@ -40,7 +40,7 @@ use serde_json::Value;
 use tokio::sync::mpsc::{channel, UnboundedReceiver};
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::api::{self, ChatMessage, JsonSchemaFormat, Options, ResponseFormat, WireCall, WireToolCall};
+use super::api::{self, ChatMessage, JsonSchemaFormat, Options, ResponseFormat, TokenLogprob, WireCall, WireToolCall};
 use super::error::ApiError;
 use super::routes::{gather, json, offer_tools, parse, started, unix_now, Gathered, Relay, Relayed, Server};
 use super::worker::{Event, Finished, Prompt};
@@ -69,7 +69,16 @@ pub struct ResponsesRequest {
     /// (the default).
     pub store: Option<bool>,
     pub metadata: Option<Value>,
+    /// What the output is to carry besides its text: [`LOGPROBS`] asks for each token's
+    /// log-probability; the other values name hosted tools' output, which sift has none of.
+    #[serde(default)]
+    pub include: Vec<String>,
+    /// With [`LOGPROBS`] included: how many alternatives each token lists, 0 to 20.
+    pub top_logprobs: Option<usize>,
 }
+
+/// The `include` value that asks for the reply's log-probabilities.
+const LOGPROBS: &str = "message.output_text.logprobs";
 
 /// `input`: one user message's text, or items.
 #[derive(Debug, Deserialize)]
@@ -250,6 +259,14 @@ impl ResponsesRequest {
     }
 
     /// `text.format` as the chat route's `response_format`.
+    /// How many alternatives each token lists, where [`LOGPROBS`] is included.
+    fn top_logprobs(&self) -> Result<Option<usize>, ApiError> {
+        if self.top_logprobs.is_some_and(|n| n > 20) {
+            return Err(ApiError::invalid("top_logprobs must be between 0 and 20"));
+        }
+        Ok(self.include.iter().any(|item| item == LOGPROBS).then(|| self.top_logprobs.unwrap_or(0)))
+    }
+
     fn response_format(&self) -> Result<Option<ResponseFormat>, ApiError> {
         let Some(format) = self.text.as_ref().and_then(|text| text.format.as_ref()) else {
             return Ok(None);
@@ -329,19 +346,19 @@ struct OutputText {
     kind: &'static str,
     text: String,
     annotations: Vec<Value>,
-    logprobs: Vec<Value>,
+    logprobs: Vec<TokenLogprob>,
 }
 
 impl OutputText {
-    fn new(text: String) -> Self {
-        OutputText { kind: "output_text", text, annotations: Vec::new(), logprobs: Vec::new() }
+    fn new(text: String, logprobs: Vec<TokenLogprob>) -> Self {
+        OutputText { kind: "output_text", text, annotations: Vec::new(), logprobs }
     }
 }
 
 impl OutputItem {
     /// The reply as output items: its calls, where the model called `toolbox`'s tools, else one
-    /// message of its text. `id` makes the items' ids.
-    fn reply(text: String, toolbox: Option<&Toolbox>, id: &str) -> Vec<OutputItem> {
+    /// message of its text and its tokens' `logprobs`. `id` makes the items' ids.
+    fn reply(text: String, logprobs: Vec<TokenLogprob>, toolbox: Option<&Toolbox>, id: &str) -> Vec<OutputItem> {
         let suffix = id.trim_start_matches("resp_");
         match toolbox.map(|toolbox| toolbox.read(&text)) {
             Some(Reply::Calls(calls)) => (calls.into_iter().enumerate())
@@ -353,14 +370,15 @@ impl OutputItem {
                     status: "completed",
                 })
                 .collect(),
-            _ => vec![OutputItem::message(id, text)],
+            _ => vec![OutputItem::message(id, text, logprobs)],
         }
     }
 
-    /// The reply's message of `text`, complete.
-    fn message(id: &str, text: String) -> OutputItem {
+    /// The reply's message of `text`, complete, with its tokens' `logprobs`.
+    fn message(id: &str, text: String, logprobs: Vec<TokenLogprob>) -> OutputItem {
         let id = format!("msg_{}", id.trim_start_matches("resp_"));
-        OutputItem::Message { id, status: "completed", role: "assistant", content: vec![OutputText::new(text)] }
+        let content = vec![OutputText::new(text, logprobs)];
+        OutputItem::Message { id, status: "completed", role: "assistant", content }
     }
 
     fn id(&self) -> &str {
@@ -474,7 +492,7 @@ pub(super) async fn create(State(server): State<Arc<Server>>, body: Result<Bytes
             response_format,
             ..Options::default()
         };
-        let mut params = options.params(&server.config.defaults, None, server.n_vocab)?;
+        let mut params = options.params(&server.config.defaults, request.top_logprobs()?, server.n_vocab)?;
         if let Some(toolbox) = &toolbox {
             messages = offer_tools(toolbox, messages, &mut params);
         }
@@ -491,8 +509,8 @@ pub(super) async fn create(State(server): State<Arc<Server>>, body: Result<Bytes
         if request.stream {
             return Ok(stream(response, prompt, toolbox, events, keep));
         }
-        let Gathered { text, finished, .. } = gather(events).await?;
-        let output = OutputItem::reply(text, toolbox.as_ref(), &response.id);
+        let Gathered { text, tokens, finished } = gather(events).await?;
+        let output = OutputItem::reply(text, tokens, toolbox.as_ref(), &response.id);
         let response = response.finished(output, &finished, prompt);
         if let Some((store, turns)) = keep {
             store.keep(&response, turns);
@@ -599,9 +617,9 @@ enum StreamEvent {
     #[serde(rename = "response.content_part.added")]
     PartAdded { item_id: String, output_index: usize, content_index: usize, part: OutputText },
     #[serde(rename = "response.output_text.delta")]
-    TextDelta { item_id: String, output_index: usize, content_index: usize, delta: String, logprobs: Vec<Value> },
+    TextDelta { item_id: String, output_index: usize, content_index: usize, delta: String, logprobs: Vec<TokenLogprob> },
     #[serde(rename = "response.output_text.done")]
-    TextDone { item_id: String, output_index: usize, content_index: usize, text: String, logprobs: Vec<Value> },
+    TextDone { item_id: String, output_index: usize, content_index: usize, text: String, logprobs: Vec<TokenLogprob> },
     #[serde(rename = "response.content_part.done")]
     PartDone { item_id: String, output_index: usize, content_index: usize, part: OutputText },
     #[serde(rename = "response.function_call_arguments.delta")]
@@ -641,7 +659,7 @@ impl StreamEvent {
     fn opening(index: usize, item: &OutputItem) -> Vec<StreamEvent> {
         let mut events = vec![StreamEvent::ItemAdded { output_index: index, item: item.opened() }];
         if let OutputItem::Message { id, .. } = item {
-            let part = OutputText::new(String::new());
+            let part = OutputText::new(String::new(), Vec::new());
             events.push(StreamEvent::PartAdded { item_id: id.clone(), output_index: index, content_index: 0, part });
         }
         events
@@ -653,14 +671,13 @@ impl StreamEvent {
         let mut events = Vec::new();
         match item {
             OutputItem::Message { content, .. } => {
-                let part = content.first().cloned().unwrap_or_else(|| OutputText::new(String::new()));
-                let text = part.text.clone();
+                let part = content.first().cloned().unwrap_or_else(|| OutputText::new(String::new(), Vec::new()));
                 events.push(StreamEvent::TextDone {
                     item_id: item_id.clone(),
                     output_index: index,
                     content_index: 0,
-                    text,
-                    logprobs: Vec::new(),
+                    text: part.text.clone(),
+                    logprobs: part.logprobs.clone(),
                 });
                 events.push(StreamEvent::PartDone { item_id, output_index: index, content_index: 0, part });
             }
@@ -681,7 +698,7 @@ impl StreamEvent {
                 output_index: index,
                 content_index: 0,
                 delta: content.first().map_or_else(String::new, |part| part.text.clone()),
-                logprobs: Vec::new(),
+                logprobs: content.first().map_or_else(Vec::new, |part| part.logprobs.clone()),
             },
             OutputItem::FunctionCall { arguments, .. } => {
                 StreamEvent::ArgumentsDelta { item_id, output_index: index, delta: arguments.clone() }
@@ -732,16 +749,22 @@ fn stream(
                 return;
             }
         }
-        // The reply's text so far, once its message has been opened.
+        // The reply's text so far, once its message has been opened; the log-probabilities of
+        // its tokens (where asked for), all of them and those of the text not yet sent.
         let mut streamed: Option<String> = None;
-        let message_id = OutputItem::message(&response.id, String::new()).id().to_string();
+        let (mut logprobs, mut unsent) = (Vec::new(), Vec::new());
+        let message_id = OutputItem::message(&response.id, String::new(), Vec::new()).id().to_string();
         while let Some(relayed) = relay.next(sse.closed()).await {
             let mut events = Vec::new();
             match relayed {
-                Relayed::Token(_) => {}
+                Relayed::Token(token) => {
+                    logprobs.push(token.clone());
+                    unsent.push(token);
+                }
                 Relayed::Text(text) => {
                     let so_far = streamed.get_or_insert_with(|| {
-                        events = StreamEvent::opening(0, &OutputItem::message(&response.id, String::new()));
+                        let opened = OutputItem::message(&response.id, String::new(), Vec::new());
+                        events = StreamEvent::opening(0, &opened);
                         String::new()
                     });
                     *so_far += &text;
@@ -750,24 +773,25 @@ fn stream(
                         output_index: 0,
                         content_index: 0,
                         delta: text,
-                        logprobs: Vec::new(),
+                        logprobs: std::mem::take(&mut unsent),
                     });
                 }
                 Relayed::Finished { held, finished } => {
+                    let logprobs = std::mem::take(&mut logprobs);
                     let output = match (held, streamed.take()) {
                         (Some(text), _) => {
-                            let output = OutputItem::reply(text, relay.toolbox(), &response.id);
+                            let output = OutputItem::reply(text, logprobs, relay.toolbox(), &response.id);
                             events.extend(output.iter().enumerate().flat_map(|(i, item)| StreamEvent::whole(i, item)));
                             output
                         }
                         (None, Some(text)) => {
-                            let message = OutputItem::message(&response.id, text);
+                            let message = OutputItem::message(&response.id, text, logprobs);
                             events.extend(StreamEvent::closing(0, &message));
                             vec![message]
                         }
                         // An empty reply: one empty message.
                         (None, None) => {
-                            let message = OutputItem::message(&response.id, String::new());
+                            let message = OutputItem::message(&response.id, String::new(), logprobs);
                             events.extend(StreamEvent::whole(0, &message));
                             vec![message]
                         }

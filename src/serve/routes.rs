@@ -392,7 +392,7 @@ pub(super) async fn started(events: &mut UnboundedReceiver<Event>) -> Result<Usa
 /// The rest of a job, gathered: its text, its tokens' log-probabilities, how it finished.
 pub(super) struct Gathered {
     pub(super) text: String,
-    tokens: Vec<TokenLogprob>,
+    pub(super) tokens: Vec<TokenLogprob>,
     pub(super) finished: Finished,
 }
 
