@@ -1,6 +1,6 @@
 """The official `ollama` client against `sift serve`'s Ollama routes: the model listed and shown,
-one chat whole and one streamed, a generation, and an embedding, with the key sent as a bearer
-token.
+one chat whole and one streamed, one with log-probabilities, a generation, and an embedding,
+with the key sent as a bearer token.
 
 Usage: serve_ollama.py BASE_URL SYSTEM MESSAGE NUM_PREDICT. Prints one JSON object with the
 replies' text, stop reasons and counts, for tests/serve_python.rs to compare with the OpenAI
@@ -22,6 +22,7 @@ def main() -> None:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": message}]
     whole = client.chat(model=listed.model, messages=messages, options=options)
     pieces = [part.message.content for part in client.chat(model=listed.model, messages=messages, options=options, stream=True)]
+    with_logprobs = client.chat(model=listed.model, messages=messages, options=options, logprobs=True, top_logprobs=2)
     generated = client.generate(model=listed.model, prompt=message, system=system, options=options)
     embedded = client.embed(model=listed.model, input=[message])
     print(
@@ -37,6 +38,10 @@ def main() -> None:
                 "eval_count": whole.eval_count,
                 "streamed": "".join(pieces),
                 "streamed_pieces": len(pieces),
+                "logprobs": [
+                    [entry.token, entry.logprob, [alt.token for alt in entry.top_logprobs]]
+                    for entry in with_logprobs.logprobs
+                ],
                 "generated": generated.response,
                 "embedding": list(embedded.embeddings[0]),
             }

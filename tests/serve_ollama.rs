@@ -314,3 +314,54 @@ fn listings_describe_the_model_and_embeddings_are_the_openai_routes() {
     assert_eq!(status, 400);
     assert!(bad["error"].as_str().unwrap().contains("at least one"), "{bad}");
 }
+
+/// `logprobs` with `top_logprobs` gives each token's log-probability and alternatives: those of
+/// `/v1/chat/completions` for the same conversation, whole and spread over the lines (each
+/// line's tokens spelling its text); without `logprobs` there is no such field; more than 20
+/// alternatives is a 400 in Ollama's shape.
+#[test]
+fn logprobs_are_the_openai_routes_logprobs() {
+    common::default_model();
+    let server = Server::start(&[]);
+    let messages = json!([{ "role": "system", "content": SYSTEM }, { "role": "user", "content": QUESTION }]);
+    let chat = json!({ "messages": messages, "temperature": 0, "max_tokens": 12, "logprobs": true, "top_logprobs": 3 });
+    let (status, chat) = server.post("/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{chat}");
+    let want = chat["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+    assert!(!want.is_empty(), "{chat}");
+
+    let options = json!({ "temperature": 0, "num_predict": 12 });
+    let mut request =
+        json!({ "messages": messages, "options": options, "stream": false, "logprobs": true, "top_logprobs": 3 });
+    let (status, reply) = whole(&server, "/api/chat", &request);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["logprobs"].as_array().unwrap(), &want, "{reply}");
+
+    request["stream"] = json!(true);
+    let (status, objects) = lines(&server, "/api/chat", &request, &[]);
+    assert_eq!(status, 200);
+    let mut streamed = Vec::new();
+    for line in &objects {
+        let tokens = line["logprobs"].as_array().unwrap_or_else(|| panic!("{line}"));
+        let bytes: Vec<u8> = tokens
+            .iter()
+            .flat_map(|t| t["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8))
+            .collect();
+        assert_eq!(String::from_utf8(bytes).unwrap(), line["message"]["content"].as_str().unwrap(), "{line}");
+        streamed.extend(tokens.iter().cloned());
+    }
+    assert_eq!(streamed, want);
+
+    let generate = json!({ "prompt": QUESTION, "system": SYSTEM, "options": options, "stream": false, "logprobs": true, "top_logprobs": 3 });
+    let (_, reply) = whole(&server, "/api/generate", &generate);
+    assert_eq!(reply["logprobs"].as_array().unwrap(), &want, "{reply}");
+
+    request["stream"] = json!(false);
+    request["logprobs"] = json!(false);
+    let (_, reply) = whole(&server, "/api/chat", &request);
+    assert!(reply.get("logprobs").is_none(), "{reply}");
+    request["logprobs"] = json!(true);
+    request["top_logprobs"] = json!(21);
+    let (status, error) = whole(&server, "/api/chat", &request);
+    assert_eq!((status, error["error"].as_str()), (400, Some("top_logprobs must be between 0 and 20")));
+}

@@ -141,10 +141,16 @@ fn the_ollama_python_client_gets_chat_completions_reply_whole_and_streamed() {
         "/v1/chat/completions",
         serde_json::json!({
             "messages": [{ "role": "system", "content": system }, { "role": "user", "content": message }],
-            "max_tokens": num_predict, "temperature": 0,
+            "max_tokens": num_predict, "temperature": 0, "logprobs": true, "top_logprobs": 2,
         }),
     );
     let want = &chat["choices"][0]["message"]["content"];
+    let want_logprobs: Vec<Value> = (chat["choices"][0]["logprobs"]["content"].as_array().unwrap().iter())
+        .map(|t| {
+            let alternatives: Vec<&Value> = t["top_logprobs"].as_array().unwrap().iter().map(|a| &a["token"]).collect();
+            serde_json::json!([t["token"], t["logprob"], alternatives])
+        })
+        .collect();
     let embedding = post("/v1/embeddings", serde_json::json!({ "input": message }));
     let (_, props) = server.get("/props", &key);
     let props: Value = serde_json::from_str(&props).unwrap();
@@ -166,6 +172,13 @@ fn the_ollama_python_client_gets_chat_completions_reply_whole_and_streamed() {
     assert_eq!(got["whole_done"], chat["choices"][0]["finish_reason"]);
     assert_eq!(got["prompt_eval_count"], chat["usage"]["prompt_tokens"]);
     assert_eq!(got["eval_count"], chat["usage"]["completion_tokens"]);
+    // Tokens, log-probabilities (the same f32s) and alternatives.
+    let logprobs = got["logprobs"].as_array().unwrap();
+    assert_eq!(logprobs.len(), want_logprobs.len(), "{got}");
+    for (got, want) in logprobs.iter().zip(&want_logprobs) {
+        assert_eq!((&got[0], &got[2]), (&want[0], &want[2]), "{got} against {want}");
+        assert_eq!(got[1].as_f64().unwrap() as f32, want[1].as_f64().unwrap() as f32, "{got} against {want}");
+    }
     // The same f32s, written longer by Python.
     let as_f32 = |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect::<Vec<f32>>();
     assert!(as_f32(&got["embedding"]) == as_f32(&embedding["data"][0]["embedding"]), "the embeddings differ");

@@ -44,7 +44,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::api::{
     self, finish_reason, ChatMessage, EmbeddingInput, EmbeddingRequest, Options, Params, ResponseFormat, Stop,
-    WireCall, WireTool,
+    TokenLogprob, WireCall, WireTool,
 };
 use super::error::ApiError;
 use super::routes::{embed, gather, json, offer_tools, parse, started, unix_now, Gathered, Relay, Relayed, Server};
@@ -68,6 +68,27 @@ pub struct ChatRequest {
     #[serde(default = "yes")]
     pub stream: bool,
     pub think: Option<Value>,
+    #[serde(flatten)]
+    pub logprobs: Logprobs,
+}
+
+/// Whether each token's log-probability comes with the reply, and how many alternatives each
+/// lists (0 to 20).
+#[derive(Debug, Default, Deserialize)]
+pub struct Logprobs {
+    #[serde(default)]
+    pub logprobs: bool,
+    pub top_logprobs: Option<usize>,
+}
+
+impl Logprobs {
+    /// How many alternatives each token lists, where log-probabilities are asked for.
+    fn top(&self) -> Result<Option<usize>, ApiError> {
+        if self.top_logprobs.is_some_and(|n| n > 20) {
+            return Err(ApiError::invalid("top_logprobs must be between 0 and 20"));
+        }
+        Ok(self.logprobs.then(|| self.top_logprobs.unwrap_or(0)))
+    }
 }
 
 fn yes() -> bool {
@@ -134,10 +155,11 @@ fn response_format(format: Option<&Value>) -> Result<Option<ResponseFormat>, Api
 
 impl ModelOptions {
     /// The settings over the server's `defaults`, as the OpenAI routes take theirs, with the
-    /// request's `format`.
+    /// request's `format` and `logprobs`.
     fn params(
         &self,
         response_format: Option<ResponseFormat>,
+        logprobs: &Logprobs,
         defaults: &Params,
         n_vocab: usize,
     ) -> Result<Params, ApiError> {
@@ -160,7 +182,7 @@ impl ModelOptions {
             response_format,
             ..Options::default()
         };
-        options.params(defaults, None, n_vocab)
+        options.params(defaults, logprobs.top()?, n_vocab)
     }
 }
 
@@ -238,6 +260,8 @@ pub struct GenerateRequest {
     #[serde(default)]
     pub images: Vec<Value>,
     pub context: Option<Vec<u32>>,
+    #[serde(flatten)]
+    pub logprobs: Logprobs,
 }
 
 impl GenerateRequest {
@@ -391,6 +415,9 @@ struct Chunk<B> {
     created_at: String,
     #[serde(flatten)]
     body: B,
+    /// The log-probabilities of the tokens of this line's text, where they were asked for.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<Vec<TokenLogprob>>,
     done: bool,
     #[serde(flatten)]
     end: Option<Done>,
@@ -473,20 +500,24 @@ struct Head {
     model: String,
     begun: Instant,
     prompt_tokens: usize,
+    /// Whether the lines carry their tokens' log-probabilities.
+    logprobs: bool,
 }
 
 impl Head {
-    fn new(server: &Server, asked: &str, begun: Instant) -> Self {
+    fn new(server: &Server, asked: &str, logprobs: &Logprobs, begun: Instant) -> Self {
         let model = match asked.is_empty() {
             true => listed_name(server),
             false => asked.to_string(),
         };
-        Head { model, begun, prompt_tokens: 0 }
+        Head { model, begun, prompt_tokens: 0, logprobs: logprobs.logprobs }
     }
 
-    fn chunk<B: ReplyBody>(&self, body: B, end: Option<Done>) -> Chunk<B> {
+    /// A line of `body`, whose text the `tokens` make, ending the reply where `end` is given.
+    fn chunk<B: ReplyBody>(&self, body: B, tokens: Vec<TokenLogprob>, end: Option<Done>) -> Chunk<B> {
         let created_at = utc_timestamp(i64::try_from(unix_now()).unwrap_or(0));
-        Chunk { model: self.model.clone(), created_at, body, done: end.is_some(), end }
+        let logprobs = self.logprobs.then_some(tokens);
+        Chunk { model: self.model.clone(), created_at, body, logprobs, done: end.is_some(), end }
     }
 
     fn done(&self, finished: &Finished) -> Done {
@@ -505,7 +536,7 @@ impl Head {
     /// The answer to a request that only loads the model.
     fn loaded<B: ReplyBody>(&self) -> Response {
         let end = Done { done_reason: "load", ..Done::default() };
-        Json(self.chunk(B::text(String::new()), Some(end))).into_response()
+        Json(self.chunk(B::text(String::new()), Vec::new(), Some(end))).into_response()
     }
 }
 
@@ -524,7 +555,7 @@ pub(super) async fn chat(State(server): State<Arc<Server>>, body: Result<Bytes, 
     let handle = async {
         let request: ChatRequest = parse(body)?;
         refuse_thinking(request.think.as_ref())?;
-        let head = Head::new(&server, &request.model, begun);
+        let head = Head::new(&server, &request.model, &request.logprobs, begun);
         if request.messages.is_empty() {
             return Ok(head.loaded::<ChatBody>());
         }
@@ -535,7 +566,7 @@ pub(super) async fn chat(State(server): State<Arc<Server>>, body: Result<Bytes, 
             return Err(ApiError::invalid("tools and format cannot both shape a reply: send one"));
         }
         let options = request.options.unwrap_or_default();
-        let mut params = options.params(format, &server.config.defaults, server.n_vocab)?;
+        let mut params = options.params(format, &request.logprobs, &server.config.defaults, server.n_vocab)?;
         if let Some(toolbox) = &toolbox {
             messages = offer_tools(toolbox, messages, &mut params);
         }
@@ -549,12 +580,13 @@ pub(super) async fn generate(State(server): State<Arc<Server>>, body: Result<Byt
     let begun = Instant::now();
     let handle = async {
         let request: GenerateRequest = parse(body)?;
-        let head = Head::new(&server, &request.model, begun);
+        let head = Head::new(&server, &request.model, &request.logprobs, begun);
         let Some(prompt) = request.prompt()? else {
             return Ok(head.loaded::<GenerateBody>());
         };
         let format = response_format(request.format.as_ref())?;
-        let params = request.options.unwrap_or_default().params(format, &server.config.defaults, server.n_vocab)?;
+        let options = request.options.unwrap_or_default();
+        let params = options.params(format, &request.logprobs, &server.config.defaults, server.n_vocab)?;
         reply::<GenerateBody>(&server, head, prompt, params, None, request.stream).await
     };
     handle.await.unwrap_or_else(error_response)
@@ -574,8 +606,8 @@ async fn reply<B: ReplyBody>(
     if stream {
         return Ok(lines::<B>(head, toolbox, events));
     }
-    let Gathered { text, finished, .. } = gather(events).await?;
-    Ok(Json(head.chunk(B::reply(text, toolbox.as_ref()), Some(head.done(&finished)))).into_response())
+    let Gathered { text, tokens, finished } = gather(events).await?;
+    Ok(Json(head.chunk(B::reply(text, toolbox.as_ref()), tokens, Some(head.done(&finished)))).into_response())
 }
 
 /// A reply as one JSON object a line, by a task that ends when the client goes away: a line per
@@ -589,13 +621,20 @@ fn lines<B: ReplyBody>(head: Head, toolbox: Option<Toolbox>, events: UnboundedRe
             let lines = lines.clone();
             async move { lines.send(Ok(Bytes::from(line + "\n"))).await.is_ok() }
         };
+        // The log-probabilities of the tokens whose text is not sent yet.
+        let mut unsent = Vec::new();
         while let Some(relayed) = relay.next(lines.closed()).await {
             let sent = match relayed {
-                Relayed::Token(_) => true,
-                Relayed::Text(text) => send(json(&head.chunk(B::text(text), None))).await,
+                Relayed::Token(token) => {
+                    unsent.push(token);
+                    true
+                }
+                Relayed::Text(text) => send(json(&head.chunk(B::text(text), std::mem::take(&mut unsent), None))).await,
                 Relayed::Finished { held, finished } => {
-                    let held = held.map(|text| json(&head.chunk(B::reply(text, relay.toolbox()), None)));
-                    let last = json(&head.chunk(B::text(String::new()), Some(head.done(&finished))));
+                    let held = held.map(|text| {
+                        json(&head.chunk(B::reply(text, relay.toolbox()), std::mem::take(&mut unsent), None))
+                    });
+                    let last = json(&head.chunk(B::text(String::new()), unsent, Some(head.done(&finished))));
                     for line in held.into_iter().chain([last]) {
                         if !send(line).await {
                             break;
