@@ -7,7 +7,7 @@ mod common;
 
 use std::process::Command;
 
-use common::server::Server;
+use common::server::{spelled, Server};
 use serde_json::{json, Value};
 
 const SYSTEM: &str = "Answer in one short sentence.";
@@ -324,11 +324,7 @@ fn logprobs_are_the_openai_routes_logprobs() {
     common::default_model();
     let server = Server::start(&[]);
     let messages = json!([{ "role": "system", "content": SYSTEM }, { "role": "user", "content": QUESTION }]);
-    let chat = json!({ "messages": messages, "temperature": 0, "max_tokens": 12, "logprobs": true, "top_logprobs": 3 });
-    let (status, chat) = server.post("/v1/chat/completions", &chat);
-    assert_eq!(status, 200, "{chat}");
-    let want = chat["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
-    assert!(!want.is_empty(), "{chat}");
+    let want = server.chat_logprobs(&messages, 12, 3);
 
     let options = json!({ "temperature": 0, "num_predict": 12 });
     let mut request =
@@ -343,11 +339,7 @@ fn logprobs_are_the_openai_routes_logprobs() {
     let mut streamed = Vec::new();
     for line in &objects {
         let tokens = line["logprobs"].as_array().unwrap_or_else(|| panic!("{line}"));
-        let bytes: Vec<u8> = tokens
-            .iter()
-            .flat_map(|t| t["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8))
-            .collect();
-        assert_eq!(String::from_utf8(bytes).unwrap(), line["message"]["content"].as_str().unwrap(), "{line}");
+        assert_eq!(spelled(tokens), line["message"]["content"].as_str().unwrap(), "{line}");
         streamed.extend(tokens.iter().cloned());
     }
     assert_eq!(streamed, want);

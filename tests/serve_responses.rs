@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::server::Server;
+use common::server::{spelled, Server};
 use serde_json::{json, Value};
 
 const SYSTEM: &str = "Answer in one short sentence.";
@@ -299,11 +299,7 @@ fn included_logprobs_are_chat_completions_logprobs() {
     common::default_model();
     let server = Server::start(&[]);
     let messages = json!([{ "role": "system", "content": SYSTEM }, { "role": "user", "content": QUESTION }]);
-    let chat = json!({ "messages": messages, "temperature": 0, "max_tokens": 12, "logprobs": true, "top_logprobs": 4 });
-    let (status, chat) = server.post("/v1/chat/completions", &chat);
-    assert_eq!(status, 200, "{chat}");
-    let want = chat["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
-    assert!(!want.is_empty() && want.iter().all(|t| t["top_logprobs"].as_array().unwrap().len() == 4), "{chat}");
+    let want = server.chat_logprobs(&messages, 12, 4);
 
     let mut request = json!({
         "instructions": SYSTEM, "input": QUESTION, "temperature": 0, "max_output_tokens": 12,
@@ -318,11 +314,7 @@ fn included_logprobs_are_chat_completions_logprobs() {
     let mut streamed = Vec::new();
     for (_, delta) in events.iter().filter(|(name, _)| name == "response.output_text.delta") {
         let tokens = delta["logprobs"].as_array().unwrap();
-        let bytes: Vec<u8> = tokens
-            .iter()
-            .flat_map(|t| t["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8))
-            .collect();
-        assert_eq!(String::from_utf8(bytes).unwrap(), delta["delta"].as_str().unwrap(), "{delta}");
+        assert_eq!(spelled(tokens), delta["delta"].as_str().unwrap(), "{delta}");
         streamed.extend(tokens.iter().cloned());
     }
     assert_eq!(streamed, want);

@@ -57,12 +57,9 @@ pub struct WireFunction {
 }
 
 impl ChatRequest {
-    /// With `logprobs`, how many alternatives each position lists: `top_logprobs`, 0 to 20
-    /// (OpenAI's range).
+    /// With `logprobs`, how many alternatives each position lists.
     pub fn top_logprobs(&self) -> Result<Option<usize>, ApiError> {
-        let top = self.logprobs.then(|| self.top_logprobs.unwrap_or(0));
-        check(top.is_none_or(|n| n <= 20), "top_logprobs must be between 0 and 20")?;
-        Ok(top)
+        top_logprobs(self.logprobs, self.top_logprobs)
     }
 
     /// The tools offered and what the model must do with them; none where no tools are given
@@ -181,6 +178,13 @@ pub struct CompletionRequest {
     /// How many of the most likely tokens each position lists; present, it asks for logprobs.
     #[serde(default)]
     pub logprobs: Option<usize>,
+}
+
+/// How many alternatives each token lists where log-probabilities are `asked` for: `top`
+/// (none: 0), within 0 to 20, the range of OpenAI's `top_logprobs` (and of Ollama's).
+pub fn top_logprobs(asked: bool, top: Option<usize>) -> Result<Option<usize>, ApiError> {
+    check(top.is_none_or(|n| n <= 20), "top_logprobs must be between 0 and 20")?;
+    Ok(asked.then(|| top.unwrap_or(0)))
 }
 
 impl CompletionRequest {

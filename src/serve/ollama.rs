@@ -84,10 +84,7 @@ pub struct Logprobs {
 impl Logprobs {
     /// How many alternatives each token lists, where log-probabilities are asked for.
     fn top(&self) -> Result<Option<usize>, ApiError> {
-        if self.top_logprobs.is_some_and(|n| n > 20) {
-            return Err(ApiError::invalid("top_logprobs must be between 0 and 20"));
-        }
-        Ok(self.logprobs.then(|| self.top_logprobs.unwrap_or(0)))
+        api::top_logprobs(self.logprobs, self.top_logprobs)
     }
 }
 

@@ -261,10 +261,7 @@ impl ResponsesRequest {
     /// `text.format` as the chat route's `response_format`.
     /// How many alternatives each token lists, where [`LOGPROBS`] is included.
     fn top_logprobs(&self) -> Result<Option<usize>, ApiError> {
-        if self.top_logprobs.is_some_and(|n| n > 20) {
-            return Err(ApiError::invalid("top_logprobs must be between 0 and 20"));
-        }
-        Ok(self.include.iter().any(|item| item == LOGPROBS).then(|| self.top_logprobs.unwrap_or(0)))
+        api::top_logprobs(self.include.iter().any(|item| item == LOGPROBS), self.top_logprobs)
     }
 
     fn response_format(&self) -> Result<Option<ResponseFormat>, ApiError> {

@@ -76,6 +76,19 @@ impl Server {
         (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}")))
     }
 
+    /// The log-probabilities `/v1/chat/completions` gives for the greedy reply to `messages`:
+    /// `max_tokens` tokens at most, `top` alternatives each.
+    pub fn chat_logprobs(&self, messages: &serde_json::Value, max_tokens: usize, top: usize) -> Vec<serde_json::Value> {
+        let request = serde_json::json!({
+            "messages": messages, "temperature": 0, "max_tokens": max_tokens, "logprobs": true, "top_logprobs": top,
+        });
+        let (status, chat) = self.post("/v1/chat/completions", &request);
+        assert_eq!(status, 200, "{chat}");
+        let tokens = chat["choices"][0]["logprobs"]["content"].as_array().unwrap().clone();
+        assert!(!tokens.is_empty() && tokens.iter().all(|t| t["top_logprobs"].as_array().unwrap().len() == top));
+        tokens
+    }
+
     pub fn get(&self, path: &str, headers: &[(&str, &str)]) -> (u16, String) {
         let mut request = self.agent.get(self.url(path));
         for (name, value) in headers {
@@ -231,4 +244,11 @@ pub fn streamed_text(chunks: &[serde_json::Value]) -> String {
         .filter_map(|c| c["choices"].get(0))
         .filter_map(|choice| choice["delta"]["content"].as_str().or(choice["text"].as_str()))
         .collect()
+}
+
+/// The text that log-probability entries' `bytes` spell (in OpenAI's shape, which Ollama's
+/// shares).
+pub fn spelled(tokens: &[serde_json::Value]) -> String {
+    let bytes = tokens.iter().flat_map(|t| t["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8));
+    String::from_utf8(bytes.collect()).unwrap()
 }
