@@ -665,62 +665,72 @@ impl Relay {
     }
 }
 
-/// Server-sent events from the worker's events, by a task that ends when the client goes away.
-fn stream<K: Kind>(answer: Answer, events: UnboundedReceiver<Event>) -> Response {
+/// A reply as unnamed server-sent events (`data:` lines), by a task that ends when the client
+/// goes away or the reply is over: the `opening` events, then those `data` makes of each relayed
+/// event (with the toolbox, for a reply held back), saying whether that was the last.
+pub(super) fn data_events(
+    mut relay: Relay,
+    opening: Vec<String>,
+    mut data: impl FnMut(Relayed, Option<&Toolbox>) -> (Vec<String>, bool) + Send + 'static,
+) -> Response {
     let (sse, body) = channel::<Result<SseEvent, Infallible>>(64);
-    let mut relay = Relay::new(events, answer.toolbox.clone());
     tokio::spawn(async move {
         let send = |data: String| {
             let sse = sse.clone();
             async move { sse.send(Ok(SseEvent::default().data(data))).await.is_ok() }
         };
-        let chunk = |choices: Vec<K::Chunk>, usage| json(&answer.completion(K::CHUNK_OBJECT, choices, usage));
-        if let Some(opening) = K::opening() {
-            if !send(chunk(vec![opening], None)).await {
+        for event in opening {
+            if !send(event).await {
                 return;
             }
         }
-        let mut tokens = Vec::new();
         // A client that leaves closes the body: this task ends, and with it the worker's
         // channel, at once, even while no event comes (a long prompt's prefill).
         while let Some(relayed) = relay.next(sse.closed()).await {
-            let sent = match relayed {
-                Relayed::Token(token) => {
-                    tokens.push(token);
-                    true
-                }
-                Relayed::Text(text) => {
-                    send(chunk(vec![K::text(&answer, text, std::mem::take(&mut tokens))], None)).await
-                }
-                Relayed::Finished { held, finished } => {
-                    let (reply, called) = match held {
-                        Some(text) => {
-                            let (reply, called) = K::held(&answer, text, std::mem::take(&mut tokens));
-                            (Some(chunk(vec![reply], None)), called)
-                        }
-                        None => (None, false),
-                    };
-                    let last = chunk(vec![K::last(&finished, called)], None);
-                    let usage = completed(answer.usage, &finished);
-                    let usage = answer.include_usage.then(|| chunk(Vec::new(), Some(usage)));
-                    for data in [reply, Some(last), usage, Some("[DONE]".to_string())].into_iter().flatten() {
-                        if !send(data).await {
-                            break;
-                        }
-                    }
+            let (events, last) = data(relayed, relay.toolbox());
+            for event in events {
+                if !send(event).await {
                     return;
                 }
-                Relayed::Failed(e) => {
-                    send(json(&e.body())).await;
-                    return;
-                }
-            };
-            if !sent {
+            }
+            if last {
                 return;
             }
         }
     });
     Sse::new(ReceiverStream::new(body)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// A completion's chunks as server-sent events, then `[DONE]`.
+fn stream<K: Kind>(answer: Answer, events: UnboundedReceiver<Event>) -> Response {
+    let relay = Relay::new(events, answer.toolbox.clone());
+    let chunk =
+        move |answer: &Answer, choices: Vec<K::Chunk>, usage| json(&answer.completion(K::CHUNK_OBJECT, choices, usage));
+    let opening = K::opening().map(|opening| chunk(&answer, vec![opening], None)).into_iter().collect();
+    let mut tokens = Vec::new();
+    data_events(relay, opening, move |relayed, _| match relayed {
+        Relayed::Token(token) => {
+            tokens.push(token);
+            (Vec::new(), false)
+        }
+        Relayed::Text(text) => {
+            (vec![chunk(&answer, vec![K::text(&answer, text, std::mem::take(&mut tokens))], None)], false)
+        }
+        Relayed::Finished { held, finished } => {
+            let (reply, called) = match held {
+                Some(text) => {
+                    let (reply, called) = K::held(&answer, text, std::mem::take(&mut tokens));
+                    (Some(chunk(&answer, vec![reply], None)), called)
+                }
+                None => (None, false),
+            };
+            let last = chunk(&answer, vec![K::last(&finished, called)], None);
+            let usage = completed(answer.usage, &finished);
+            let usage = answer.include_usage.then(|| chunk(&answer, Vec::new(), Some(usage)));
+            ([reply, Some(last), usage, Some("[DONE]".to_string())].into_iter().flatten().collect(), true)
+        }
+        Relayed::Failed(e) => (vec![json(&e.body())], true),
+    })
 }
 
 /// A Messages API reply as Anthropic's named server-sent events: the message (empty), its text
