@@ -891,3 +891,63 @@ fn tokenize_and_detokenize_are_the_librarys() {
         assert!(body["error"]["message"].as_str().unwrap().contains(needle), "{route} {input}: {body}");
     }
 }
+
+/// llama.cpp's `/completion` continues a prompt as `/v1/completions` does (greedy: the same text,
+/// counts and stop, whole and as `data:` pieces then the account), names the stop string that
+/// ended a reply, gives `n_probs` as `/v1/completions`' logprobs, and refuses what it cannot do.
+#[test]
+fn llama_cpp_completion_continues_as_v1_completions_does() {
+    common::default_model();
+    let server = Server::start(&[]);
+    let prompt = "The capital of France is";
+    let (status, want) =
+        server.post("/v1/completions", &json!({ "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 2 }));
+    assert_eq!(status, 200, "{want}");
+    let text = want["choices"][0]["text"].as_str().unwrap();
+    let request = json!({ "prompt": prompt, "n_predict": 12, "temperature": 0, "n_probs": 2 });
+    let (status, got) = server.post("/completion", &request);
+    assert_eq!(status, 200, "{got}");
+    assert_eq!(got["content"], text, "{got}");
+    assert_eq!((got["stop"].as_bool(), got["stop_type"].as_str()), (Some(true), Some("limit")), "{got}");
+    assert_eq!(got["tokens_predicted"], want["usage"]["completion_tokens"]);
+    assert_eq!(got["tokens_evaluated"], want["usage"]["prompt_tokens"]);
+    assert_eq!(got["timings"]["predicted_n"], want["usage"]["completion_tokens"]);
+    let probabilities = got["completion_probabilities"].as_array().unwrap();
+    let want_logprobs = want["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
+    assert_eq!(
+        probabilities.iter().map(|t| &t["logprob"]).collect::<Vec<_>>(),
+        want_logprobs.iter().collect::<Vec<_>>()
+    );
+    assert!(probabilities.iter().all(|t| t["top_logprobs"].as_array().unwrap().len() == 2), "{got}");
+
+    // Streamed: the pieces spell the text, and the last event is the account.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let mut events = server.stream("/completion", &streamed);
+    let mut pieces = Vec::new();
+    while let Some(data) = events.next_data() {
+        pieces.push(serde_json::from_str::<Value>(&data).unwrap());
+    }
+    let (last, pieces) = pieces.split_last().unwrap();
+    assert!(pieces.len() > 2 && pieces.iter().all(|p| p["stop"] == false), "{pieces:?}");
+    assert_eq!(pieces.iter().map(|p| p["content"].as_str().unwrap()).collect::<String>(), text);
+    assert_eq!((last["stop"].as_bool(), last["tokens_predicted"].as_u64()), (Some(true), Some(12)), "{last}");
+
+    // A stop string from within the reply ends it before it, and is named.
+    let word = text.split_whitespace().nth(2).expect("three words in twelve tokens");
+    let (_, stopped) =
+        server.post("/completion", &json!({ "prompt": prompt, "n_predict": 12, "temperature": 0, "stop": [word] }));
+    assert_eq!(stopped["content"].as_str(), Some(&text[..text.find(word).unwrap()]), "{stopped}");
+    assert_eq!((stopped["stop_type"].as_str(), stopped["stopping_word"].as_str()), (Some("word"), Some(word)));
+
+    for (bad, says) in [
+        (json!({ "prompt": [1, 2, 3] }), "prompts of token ids are not supported"),
+        (json!({ "prompt": prompt, "grammar": "root ::= \"a\"" }), "GBNF grammars are not supported"),
+        (json!({ "prompt": prompt, "n_predict": 0 }), "n_predict: at least 1"),
+        (json!({ "prompt": prompt, "n_probs": 21 }), "between 0 and 20"),
+    ] {
+        let (status, error) = server.post("/completion", &bad);
+        assert_eq!(status, 400, "{bad}: {error}");
+        assert!(error["error"]["message"].as_str().unwrap().contains(says), "{error}");
+    }
+}

@@ -21,6 +21,7 @@ mod anthropic;
 mod api;
 mod cors;
 mod error;
+mod llamacpp;
 mod ollama;
 mod responses;
 mod routes;

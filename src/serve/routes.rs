@@ -39,7 +39,7 @@ use super::api::{
 };
 use super::error::ApiError;
 use super::worker::{EmbedInput, Event, Finished, Prompt, Queue};
-use super::{ollama, responses};
+use super::{llamacpp, ollama, responses};
 use super::{Config, ServeError};
 use crate::chat::Message;
 use crate::tokenizer::Tokenizer;
@@ -105,6 +105,8 @@ pub fn run(
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/props", get(properties))
+        .route("/completion", post(llamacpp::complete))
+        .route("/completions", post(llamacpp::complete))
         .route("/api/chat", post(ollama::chat))
         .route("/api/generate", post(ollama::generate))
         .route("/api/embed", post(ollama::embed_texts))
