@@ -211,7 +211,7 @@ pub(super) async fn complete(State(server): State<Arc<Server>>, body: Result<Byt
 fn stream(head: Head, events: UnboundedReceiver<Event>) -> Response {
     // The log-probabilities of the tokens whose text is not sent yet.
     let mut unsent = Vec::new();
-    data_events(Relay::new(events, None), Vec::new(), move |relayed, _| match relayed {
+    data_events(Relay::new(events, None), Vec::new(), move |relayed| match relayed {
         Relayed::Token(token) => {
             unsent.push(token);
             (Vec::new(), false)

@@ -669,11 +669,11 @@ impl Relay {
 
 /// A reply as unnamed server-sent events (`data:` lines), by a task that ends when the client
 /// goes away or the reply is over: the `opening` events, then those `data` makes of each relayed
-/// event (with the toolbox, for a reply held back), saying whether that was the last.
+/// event, saying whether that was the last.
 pub(super) fn data_events(
     mut relay: Relay,
     opening: Vec<String>,
-    mut data: impl FnMut(Relayed, Option<&Toolbox>) -> (Vec<String>, bool) + Send + 'static,
+    mut data: impl FnMut(Relayed) -> (Vec<String>, bool) + Send + 'static,
 ) -> Response {
     let (sse, body) = channel::<Result<SseEvent, Infallible>>(64);
     tokio::spawn(async move {
@@ -689,7 +689,7 @@ pub(super) fn data_events(
         // A client that leaves closes the body: this task ends, and with it the worker's
         // channel, at once, even while no event comes (a long prompt's prefill).
         while let Some(relayed) = relay.next(sse.closed()).await {
-            let (events, last) = data(relayed, relay.toolbox());
+            let (events, last) = data(relayed);
             for event in events {
                 if !send(event).await {
                     return;
@@ -707,10 +707,10 @@ pub(super) fn data_events(
 fn stream<K: Kind>(answer: Answer, events: UnboundedReceiver<Event>) -> Response {
     let relay = Relay::new(events, answer.toolbox.clone());
     let chunk =
-        move |answer: &Answer, choices: Vec<K::Chunk>, usage| json(&answer.completion(K::CHUNK_OBJECT, choices, usage));
+        |answer: &Answer, choices: Vec<K::Chunk>, usage| json(&answer.completion(K::CHUNK_OBJECT, choices, usage));
     let opening = K::opening().map(|opening| chunk(&answer, vec![opening], None)).into_iter().collect();
     let mut tokens = Vec::new();
-    data_events(relay, opening, move |relayed, _| match relayed {
+    data_events(relay, opening, move |relayed| match relayed {
         Relayed::Token(token) => {
             tokens.push(token);
             (Vec::new(), false)
