@@ -187,6 +187,15 @@ pub fn top_logprobs(asked: bool, top: Option<usize>) -> Result<Option<usize>, Ap
     Ok(asked.then(|| top.unwrap_or(0)))
 }
 
+/// A token limit given as llama.cpp and Ollama give it, in `field`: a count, or a negative
+/// number for no limit but the context; 0 is refused.
+pub fn token_limit(n: i64, field: &str) -> Result<usize, ApiError> {
+    if n == 0 {
+        return Err(ApiError::invalid(format!("{field}: at least 1, or -1 for no limit")));
+    }
+    Ok(usize::try_from(n).unwrap_or(usize::MAX))
+}
+
 impl CompletionRequest {
     /// How many alternatives each position lists, where logprobs are asked for: `logprobs`, 0
     /// to 5 (OpenAI's range for legacy completions).

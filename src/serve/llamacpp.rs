@@ -68,10 +68,7 @@ impl CompletionRequest {
         if self.grammar.as_deref().is_some_and(|g| !g.is_empty()) {
             return Err(ApiError::invalid("grammar: GBNF grammars are not supported; send a json_schema"));
         }
-        let max_tokens = match self.n_predict {
-            0 => return Err(ApiError::invalid("n_predict: at least 1, or -1 for no limit")),
-            n => usize::try_from(n).unwrap_or(usize::MAX),
-        };
+        let max_tokens = api::token_limit(self.n_predict, "n_predict")?;
         let options = Options {
             temperature: self.temperature,
             top_p: self.top_p,

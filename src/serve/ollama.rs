@@ -160,11 +160,7 @@ impl ModelOptions {
         defaults: &Params,
         n_vocab: usize,
     ) -> Result<Params, ApiError> {
-        let max_tokens = match self.num_predict {
-            None => None,
-            Some(0) => return Err(ApiError::invalid("options.num_predict: at least 1, or -1 for no limit")),
-            Some(n) => Some(usize::try_from(n).unwrap_or(usize::MAX)),
-        };
+        let max_tokens = self.num_predict.map(|n| api::token_limit(n, "options.num_predict")).transpose()?;
         let options = Options {
             temperature: self.temperature,
             top_p: self.top_p,

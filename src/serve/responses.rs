@@ -258,12 +258,12 @@ impl ResponsesRequest {
         Toolbox::new(tools, choice, parallel).map(Some).map_err(|e| ApiError::invalid(format!("tools: {e}")))
     }
 
-    /// `text.format` as the chat route's `response_format`.
     /// How many alternatives each token lists, where [`LOGPROBS`] is included.
     fn top_logprobs(&self) -> Result<Option<usize>, ApiError> {
         api::top_logprobs(self.include.iter().any(|item| item == LOGPROBS), self.top_logprobs)
     }
 
+    /// `text.format` as the chat route's `response_format`.
     fn response_format(&self) -> Result<Option<ResponseFormat>, ApiError> {
         let Some(format) = self.text.as_ref().and_then(|text| text.format.as_ref()) else {
             return Ok(None);
