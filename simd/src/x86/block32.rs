@@ -420,10 +420,39 @@ unsafe fn block_values<B: Block32>((dx, mx): (__m256, __m256), (dy, sy): (__m256
     }
 }
 
-/// Sign trick for signed×signed bytes: `(|x|, y·sign(x))`, so that an unsigned×signed
-/// dot gives `Σ x·y`. Needs `|y| ≤ 127` (activations from our quantizers are).
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-pub(crate) fn sign_trick(x: __m256i, y: __m256i) -> (__m256i, __m256i) {
-    (_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
+/// `Block32` for the formats of signed levels dotted with Q8_0 (Q8_0): the
+/// invoking module's `levels` gives a block's 32 levels as bytes in element order, which
+/// [`signed_bytes`](super::signed_bytes) and [`signed_dp`](super::signed_dp) dot.
+macro_rules! signed_block32 {
+    ($block:ty) => {
+        impl Block32 for $block {
+            type Act = BlockQ8_0;
+            const WITH_MIN: bool = false;
+
+            #[inline(always)]
+            fn offset<I: IsaOps>() -> u8 {
+                super::signed_offset::<I>()
+            }
+            #[inline(always)]
+            unsafe fn prepare<I: IsaOps>(x: &Self) -> __m256i {
+                // SAFETY: the caller guarantees the ISA.
+                unsafe { super::signed_bytes::<I>(levels(x)) }
+            }
+            #[inline(always)]
+            unsafe fn dp_prepared<I: IsaOps>(acc: __m256i, p: __m256i, y: __m256i) -> __m256i {
+                // SAFETY: the caller guarantees the ISA.
+                unsafe { super::signed_dp::<I>(acc, p, y) }
+            }
+            fn d(&self) -> u16 {
+                self.d.to_bits()
+            }
+            fn act_quants(y: &BlockQ8_0) -> __m256i {
+                super::load32(&y.qs)
+            }
+            fn act_d(y: &BlockQ8_0) -> u16 {
+                y.d.to_bits()
+            }
+        }
+    };
 }
+pub(crate) use signed_block32;

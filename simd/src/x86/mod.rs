@@ -230,6 +230,52 @@ pub(crate) fn reduce8_ps(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 0b01)))
 }
 
+/// Signed weight bytes `q` as the integer kernels dot them: `q + 128`, an unsigned byte,
+/// where the ISA's dot product takes any ([`IsaOps::BYTE_DP`]; the sums then start from
+/// `−128 · Σ y`, [`signed_offset`]), else `q` itself, which [`signed_dp`] dots through
+/// the sign trick.
+///
+/// # Safety
+/// The CPU must support `I`.
+#[inline(always)]
+pub(crate) unsafe fn signed_bytes<I: IsaOps>(q: __m256i) -> __m256i {
+    if I::BYTE_DP {
+        // SAFETY: the caller guarantees the ISA (which has AVX2).
+        unsafe { _mm256_xor_si256(q, _mm256_set1_epi8(i8::MIN)) }
+    } else {
+        q
+    }
+}
+
+/// The bias of [`signed_bytes`] over the quants on ISA `I`.
+#[inline(always)]
+pub(crate) fn signed_offset<I: IsaOps>() -> u8 {
+    if I::BYTE_DP {
+        128
+    } else {
+        0
+    }
+}
+
+/// `acc` plus i32 lanes whose total is `Σ p·y` for [`signed_bytes`] `p`: with VNNI the
+/// dot product itself, else the sign trick, `Σ |q| · (y · sign(q))`, exact for
+/// `|y| ≤ 127` (activations from our quantizers are; `q = −128` gives `|q| = 128` as an
+/// unsigned byte).
+///
+/// # Safety
+/// The CPU must support `I`.
+#[inline(always)]
+pub(crate) unsafe fn signed_dp<I: IsaOps>(acc: __m256i, p: __m256i, y: __m256i) -> __m256i {
+    // SAFETY: the caller guarantees the ISA (which has AVX2).
+    unsafe {
+        if I::BYTE_DP {
+            I::dp(acc, p, y)
+        } else {
+            I::dp(acc, _mm256_sign_epi8(p, p), _mm256_sign_epi8(y, p))
+        }
+    }
+}
+
 /// Splits 16 packed bytes into 32 nibbles: low nibbles in bytes 0–15, high nibbles in
 /// bytes 16–31 (the Q4_0/Q4_1/Q5_0/Q5_1 element order).
 #[target_feature(enable = "avx2,fma,f16c")]

@@ -37,7 +37,7 @@ impl SuperBlock for BlockQ2K {
     const HALF_SCALES: bool = true;
 
     #[inline(always)]
-    unsafe fn prepare(&self) -> Prepared {
+    unsafe fn prepare<I: IsaOps>(&self) -> Prepared {
         // SAFETY: the caller guarantees AVX2.
         unsafe {
             let (scales, mins) = scales_mins(self);

@@ -100,7 +100,7 @@ macro_rules! superblock_with_offset {
             const HALF_SCALES: bool = true;
 
             #[inline(always)]
-            unsafe fn prepare(&self) -> Prepared {
+            unsafe fn prepare<I: IsaOps>(&self) -> Prepared {
                 // SAFETY: the caller guarantees AVX2.
                 unsafe {
                     let scales = scales(self);

@@ -1,4 +1,4 @@
-//! The shared tile skeleton of the K-quants (Q4_K, Q5_K, Q6_K) × Q8_K.
+//! The shared tile skeleton of the K-quants (Q2_K to Q6_K) × Q8_K.
 //!
 //! Per super-block, `dot` computes exact i32 sums — the scaled sum `Σ sc·Σ q·y` (Q6_K's
 //! including its `−32 · Σ sc·bsum` offset) and, for Q4_K and Q5_K, the minimum term
@@ -32,7 +32,8 @@ const GROUPS: usize = TILE_TOKENS / LANES;
 /// A super-block unpacked once for all tokens of a tile.
 #[derive(Clone, Copy, bytemuck::Zeroable)]
 pub(crate) struct Prepared {
-    /// Unsigned quants (at most 63): elements `32j .. 32j + 32` in vector `j`.
+    /// The quants as [`SuperBlock::dp_prepared`] takes them (the K-quants' unsigned ones
+    /// at most 63): elements `32j .. 32j + 32` in vector `j`.
     pub(crate) q: [__m256i; 8],
     /// i32 scales, sub-block `j` in lane `j`: of its first 16 elements in `scales[0]`,
     /// of its last 16 in `scales[1]` (the same for 32-element sub-blocks).
@@ -50,11 +51,22 @@ pub(crate) trait SuperBlock: bytemuck::Pod {
     /// Whether the two halves of a sub-block have their own scales (Q6_K).
     const HALF_SCALES: bool;
 
-    /// Unpacks the block.
+    /// Unpacks the block for ISA `I`.
     ///
     /// # Safety
-    /// The CPU must support AVX2.
-    unsafe fn prepare(&self) -> Prepared;
+    /// The CPU must support `I`.
+    unsafe fn prepare<I: IsaOps>(&self) -> Prepared;
+
+    /// `acc` plus i32 lanes whose total is `Σ q·y`, for prepared quants `q` and
+    /// activation bytes `y` in matching positions.
+    ///
+    /// # Safety
+    /// The CPU must support `I`.
+    #[inline(always)]
+    unsafe fn dp_prepared<I: IsaOps>(acc: __m256i, q: __m256i, y: __m256i) -> __m256i {
+        // SAFETY: the caller guarantees the ISA.
+        unsafe { I::dp(acc, q, y) }
+    }
     /// The super-block scale.
     fn d(&self) -> f32;
     /// The super-block scale of the minimums (if `WITH_MIN`).
@@ -182,7 +194,7 @@ unsafe fn add_superblock<I: IsaOps, K: SuperBlock, const P: usize>(
             let mut p = [<Prepared as bytemuck::Zeroable>::zeroed(); P];
             let mut q = [[_mm256_setzero_si256(); 8]; P];
             for k in 0..P {
-                p[k] = xs[r0 + k][i].prepare();
+                p[k] = xs[r0 + k][i].prepare::<I>();
                 q[k] = transpose8x8(&p[k].q);
             }
             for h in 0..tokens.div_ceil(LANES) {
@@ -242,7 +254,7 @@ unsafe fn scaled_sums<I: IsaOps, K: SuperBlock, const P: usize>(
                 for t in 0..LANES {
                     let y = tokens[t].q[m];
                     for k in 0..P {
-                        dots[k][t] = I::dp(dots[k][t], q[k][m], y);
+                        dots[k][t] = K::dp_prepared::<I>(dots[k][t], q[k][m], y);
                     }
                 }
             }
@@ -273,7 +285,7 @@ macro_rules! superblock_with_min {
             const HALF_SCALES: bool = false;
 
             #[inline(always)]
-            unsafe fn prepare(&self) -> Prepared {
+            unsafe fn prepare<I: IsaOps>(&self) -> Prepared {
                 // SAFETY: the caller guarantees AVX2.
                 unsafe {
                     let (scales, bsum_weights) = tile_scales(&self.scales);
