@@ -202,7 +202,7 @@ impl Writer {
         self.put(name, rows, cols, &values, f16);
     }
 
-    /// `rows` x `cols` of random blocks of the K-quant `ty`, every block with the same
+    /// `rows` x `cols` of random blocks of the quantized type `ty`, every block with the same
     /// scales, set so that the values' RMS is about `std`. Recorded as the blocks' values,
     /// which sift's dequantization gives: `simd/tests/reference_vectors.rs` checks it against
     /// llama.cpp's gguf-py bit for bit.
@@ -217,6 +217,7 @@ impl Writer {
         let fields: &[(usize, f64)] = match ty {
             WeightType::Q2_K => &[(80, 1.0), (82, 1.5)],
             WeightType::Q3_K => &[(108, 1.0)],
+            WeightType::IQ4_NL | WeightType::IQ4_XS => &[(0, 1.0)],
             _ => panic!("{ty:?}: no fields known"),
         };
         let set_scales = |bytes: &mut [u8], scale: f64| {
@@ -241,7 +242,9 @@ impl Writer {
         self.weights.insert(name.clone(), stored);
         let tensor_type = match ty {
             WeightType::Q2_K => TensorType::Q2_K,
-            _ => TensorType::Q3_K,
+            WeightType::Q3_K => TensorType::Q3_K,
+            WeightType::IQ4_NL => TensorType::IQ4_NL,
+            _ => TensorType::IQ4_XS,
         };
         let builder = std::mem::take(&mut self.builder);
         self.builder = builder.add_tensor(name, vec![cols as u64, rows as u64], tensor_type, bytes.to_vec()).unwrap();
@@ -640,12 +643,15 @@ fn phi3_beyond_its_original_context_takes_longrope_long_factors() {
 }
 
 #[test]
-fn llama_with_q2_k_and_q3_k_ffn_weights_matches_f64_reference() {
+fn llama_with_quantized_ffn_weights_matches_f64_reference() {
     // Rows of 256: one super-block across the model's width and the FFN's. With 8-bit
-    // activations the logits are 1.6–1.7% off (the blocks' groups of 16 have random scales
-    // and, for Q2_K, minimums: values far from Gaussian); with f32 activations they are
-    // held to the 1e-3 of every other model here.
-    for (ty, seed) in [(WeightType::Q2_K, 9), (WeightType::Q3_K, 10)] {
+    // activations the logits are 1–2% off (the blocks have random scales: for Q2_K and
+    // Q3_K per 16 values, Q2_K with minimums; for IQ4_XS per 32; IQ4_NL's random indices
+    // into its non-linear grid): values far from Gaussian; with f32 activations they are
+    // held to the 1e-3 of every other model here. (One test: the switch is the process's.)
+    for (ty, seed) in
+        [(WeightType::Q2_K, 9), (WeightType::Q3_K, 10), (WeightType::IQ4_NL, 15), (WeightType::IQ4_XS, 16)]
+    {
         for f32_activations in [false, true] {
             check(Spec { n_embd: 256, n_ff: 256, ffn_type: Some(ty), f32_activations, ..LLAMA }, seed);
         }

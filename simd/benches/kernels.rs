@@ -75,6 +75,8 @@ fn dot_rows(c: &mut Criterion) {
         ("Q6_K", WeightType::Q6_K, COLS),
         ("F16", WeightType::F16, COLS),
         ("BF16", WeightType::BF16, COLS),
+        ("IQ4_NL", WeightType::IQ4_NL, COLS),
+        ("IQ4_XS", WeightType::IQ4_XS, COLS),
     ];
     for (name, w, cols) in cases {
         let row_bytes = w.row_bytes(cols).expect("whole blocks");
@@ -107,7 +109,12 @@ fn dot_tile(c: &mut Criterion) {
     let mut group = c.benchmark_group("dot_tile");
     configure(&mut group);
     group.throughput(Throughput::Elements((ROWS * COLS * TOKENS) as u64));
-    for (name, w) in [("Q8_0", WeightType::Q8_0), ("Q4_K", WeightType::Q4_K)] {
+    for (name, w) in [
+        ("Q8_0", WeightType::Q8_0),
+        ("Q4_K", WeightType::Q4_K),
+        ("IQ4_NL", WeightType::IQ4_NL),
+        ("IQ4_XS", WeightType::IQ4_XS),
+    ] {
         let weights = random_matrix(w, ROWS, COLS, &mut rng);
         let acts: Vec<u8> =
             (0..TOKENS).flat_map(|_| quantize_for(k, w, &random_activation(COLS, &mut rng)).to_vec()).collect();

@@ -359,6 +359,8 @@ const SCALAR: Kernels = Kernels {
         scalar_entry!(q4_k),
         scalar_entry!(q5_k),
         scalar_entry!(q6_k),
+        scalar_entry!(iq4_nl),
+        scalar_entry!(iq4_xs),
     ],
     // Order of ActivationType::ALL.
     quantize: [

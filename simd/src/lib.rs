@@ -96,11 +96,15 @@ pub enum WeightType {
     Q5_K,
     /// 256-element super-blocks of 16×16: 8-bit scales, 6-bit quants.
     Q6_K,
+    /// 32-element blocks: f16 scale, 4-bit indices into a non-linear grid of levels.
+    IQ4_NL,
+    /// 256-element super-blocks of 8×32: 6-bit scales, 4-bit indices into IQ4_NL's grid.
+    IQ4_XS,
 }
 
 impl WeightType {
     /// Every weight type, in a fixed order (the dispatch table's index order).
-    pub const ALL: [WeightType; 13] = [
+    pub const ALL: [WeightType; 15] = [
         WeightType::F32,
         WeightType::F16,
         WeightType::BF16,
@@ -114,6 +118,8 @@ impl WeightType {
         WeightType::Q4_K,
         WeightType::Q5_K,
         WeightType::Q6_K,
+        WeightType::IQ4_NL,
+        WeightType::IQ4_XS,
     ];
 
     /// The weight type for a GGML type id (`ggml_type`), if sift supports it.
@@ -136,6 +142,8 @@ impl WeightType {
             WeightType::Q4_K => 12,
             WeightType::Q5_K => 13,
             WeightType::Q6_K => 14,
+            WeightType::IQ4_NL => 20,
+            WeightType::IQ4_XS => 23,
             WeightType::BF16 => 30,
         }
     }
@@ -156,6 +164,8 @@ impl WeightType {
             WeightType::Q4_K => "Q4_K",
             WeightType::Q5_K => "Q5_K",
             WeightType::Q6_K => "Q6_K",
+            WeightType::IQ4_NL => "IQ4_NL",
+            WeightType::IQ4_XS => "IQ4_XS",
         }
     }
 
@@ -163,8 +173,18 @@ impl WeightType {
     pub fn block_elems(self) -> usize {
         match self {
             WeightType::F32 | WeightType::F16 | WeightType::BF16 => 1,
-            WeightType::Q4_0 | WeightType::Q4_1 | WeightType::Q5_0 | WeightType::Q5_1 | WeightType::Q8_0 => 32,
-            WeightType::Q2_K | WeightType::Q3_K | WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => 256,
+            WeightType::Q4_0
+            | WeightType::Q4_1
+            | WeightType::Q5_0
+            | WeightType::Q5_1
+            | WeightType::Q8_0
+            | WeightType::IQ4_NL => 32,
+            WeightType::Q2_K
+            | WeightType::Q3_K
+            | WeightType::Q4_K
+            | WeightType::Q5_K
+            | WeightType::Q6_K
+            | WeightType::IQ4_XS => 256,
         }
     }
 
@@ -185,6 +205,8 @@ impl WeightType {
             WeightType::Q4_K => size_of::<BlockQ4K>(),
             WeightType::Q5_K => size_of::<BlockQ5K>(),
             WeightType::Q6_K => size_of::<BlockQ6K>(),
+            WeightType::IQ4_NL => size_of::<BlockIQ4NL>(),
+            WeightType::IQ4_XS => size_of::<BlockIQ4XS>(),
         }
     }
 
@@ -202,11 +224,14 @@ impl WeightType {
     pub fn activation(self) -> ActivationType {
         match self {
             WeightType::F32 | WeightType::F16 | WeightType::BF16 => ActivationType::F32,
-            WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 => ActivationType::Q8_0,
+            WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 | WeightType::IQ4_NL => ActivationType::Q8_0,
             WeightType::Q4_1 | WeightType::Q5_1 => ActivationType::Q8_1,
-            WeightType::Q2_K | WeightType::Q3_K | WeightType::Q4_K | WeightType::Q5_K | WeightType::Q6_K => {
-                ActivationType::Q8_K
-            }
+            WeightType::Q2_K
+            | WeightType::Q3_K
+            | WeightType::Q4_K
+            | WeightType::Q5_K
+            | WeightType::Q6_K
+            | WeightType::IQ4_XS => ActivationType::Q8_K,
         }
     }
 

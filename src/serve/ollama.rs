@@ -394,6 +394,8 @@ fn quantization_level(file_type: u64) -> String {
         16 => "Q5_K_S",
         17 => "Q5_K_M",
         18 => "Q6_K",
+        25 => "IQ4_NL",
+        30 => "IQ4_XS",
         32 => "BF16",
         other => return format!("file type {other}"),
     };

@@ -11,11 +11,11 @@
 //! Integer kernels must give bit-identical results on every ISA, so the float part is
 //! fixed here and every variant reproduces it:
 //!
-//! * 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): block `b` yields one `f32`
+//! * 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): block `b` yields one `f32`
 //!   value from its exact `i32` sum (e.g. `sumi as f32 * (dx * dy)`), which is added
 //!   to lane `b % 8` of eight `f32` accumulators; the lanes are then folded by
 //!   [`reduce8`]. This is what an 8-lane vector accumulator does.
-//! * K-quants: super-block `b` yields one `f32` value from its exact `i32` sums, and the
+//! * K-quants (and IQ4_XS): super-block `b` yields one `f32` value from its exact `i32` sums, and the
 //!   values are added to one `f32` accumulator in block order.
 
 use bytemuck::Pod;
@@ -23,6 +23,8 @@ use bytemuck::Pod;
 pub mod bfloat16;
 pub mod float16;
 pub mod float32;
+pub mod iq4_nl;
+pub mod iq4_xs;
 pub mod q2_k;
 pub mod q3_k;
 pub mod q4_0;
@@ -36,6 +38,8 @@ pub mod q8_0;
 pub mod q8_1;
 pub mod q8_k;
 
+pub use iq4_nl::BlockIQ4NL;
+pub use iq4_xs::BlockIQ4XS;
 pub use q2_k::BlockQ2K;
 pub use q3_k::BlockQ3K;
 pub use q4_0::BlockQ4_0;
@@ -92,12 +96,12 @@ pub fn reduce8(a: [f32; 8]) -> f32 {
     q[0] + q[1]
 }
 
-/// A 32-element weight block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) as its scalar
+/// A 32-element weight block (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) as its scalar
 /// dequantization and dot product see it: a scale and 32 integer codes. Each
 /// format's module says only how it packs them; the arithmetic is here, once.
 pub(crate) trait Block32 {
     /// The 32 codes in element order: `q − 8` and `q − 16` for Q4_0 and Q5_0,
-    /// the stored `q` for the offset formats and Q8_0.
+    /// the stored `q` for the offset formats and Q8_0, the grid's levels for IQ4_NL.
     fn codes(&self) -> [i8; 32];
     /// The scale `d`.
     fn d(&self) -> half::f16;

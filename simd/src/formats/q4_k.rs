@@ -162,14 +162,15 @@ pub(crate) fn min_term(mn: &[u8; 8], bsums: &[i16; 16]) -> i32 {
     s
 }
 
-/// `Σⱼ scⱼ · Σ q·y` over eight 32-element sub-blocks.
+/// `Σⱼ scⱼ · Σ q·y` over eight 32-element sub-blocks (unsigned scales in Q4_K and Q5_K,
+/// signed in IQ4_XS).
 #[inline(always)]
-pub(crate) fn scaled_sum_32(q: &[i8; QK_K], y: &[i8; QK_K], sc: &[u8; 8]) -> i32 {
+pub(crate) fn scaled_sum_32<S: Copy + Into<i32>>(q: &[i8; QK_K], y: &[i8; QK_K], sc: &[S; 8]) -> i32 {
     let (q, _) = q.as_chunks::<32>();
     let (y, _) = y.as_chunks::<32>();
     let mut s = 0i32;
     for j in 0..8 {
-        s += sc[j] as i32 * super::q8_0::dot_i8_32(&q[j], &y[j]);
+        s += sc[j].into() * super::q8_0::dot_i8_32(&q[j], &y[j]);
     }
     s
 }

@@ -1,4 +1,4 @@
-//! The shared skeleton of the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): eight
+//! The shared skeleton of the 32-element formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL): eight
 //! blocks at a time, each block's exact i32 sum, the eight sums gathered into one vector,
 //! scaled and added to eight f32 lanes — the order `crate::formats` prescribes.
 //!
@@ -420,7 +420,7 @@ unsafe fn block_values<B: Block32>((dx, mx): (__m256, __m256), (dy, sy): (__m256
     }
 }
 
-/// `Block32` for the formats of signed levels dotted with Q8_0 (Q8_0): the
+/// `Block32` for the formats of signed levels dotted with Q8_0 (Q8_0, IQ4_NL): the
 /// invoking module's `levels` gives a block's 32 levels as bytes in element order, which
 /// [`signed_bytes`](super::signed_bytes) and [`signed_dp`](super::signed_dp) dot.
 macro_rules! signed_block32 {

@@ -1,4 +1,4 @@
-//! The shared tile skeleton of the K-quants (Q2_K to Q6_K) × Q8_K.
+//! The shared tile skeleton of the K-quants (Q2_K to Q6_K) and IQ4_XS × Q8_K.
 //!
 //! Per super-block, `dot` computes exact i32 sums — the scaled sum `Σ sc·Σ q·y` (Q6_K's
 //! including its `−32 · Σ sc·bsum` offset) and, for Q4_K and Q5_K, the minimum term

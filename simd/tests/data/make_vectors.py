@@ -4,7 +4,7 @@
 Everything here comes from the `gguf` Python package (llama.cpp's gguf-py), which is
 an implementation independent of sift's Rust code:
 
-  NAME.blocks        random but valid raw blocks of weight type NAME
+  NAME.blocks        random but valid raw blocks of weight type NAME (every type sift reads)
   NAME.dequant       gguf.quants.dequantize of NAME.blocks (float32, little-endian)
   NAME.quant.input   random float32 rows (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 only)
   NAME.quant.blocks  gguf.quants.quantize of NAME.quant.input
@@ -29,7 +29,7 @@ N = 1536  # elements per file: 48 blocks of 32, 6 super-blocks of 256
 WEIGHTS = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 # Formats added later, drawn after all the others so that the earlier files stay as they were.
-LATER_WEIGHTS = ["Q2_K", "Q3_K"]
+LATER_WEIGHTS = ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"]
 
 # Byte offsets of the f16 scale fields inside each block (the rest is random bits).
 F16_FIELDS = {
@@ -43,6 +43,8 @@ F16_FIELDS = {
     "Q6_K": [208],
     "Q2_K": [80, 82],
     "Q3_K": [108],
+    "IQ4_NL": [0],
+    "IQ4_XS": [0],
 }
 
 
