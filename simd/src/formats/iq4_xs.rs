@@ -33,20 +33,23 @@ pub struct BlockIQ4XS {
 }
 const _: () = assert!(core::mem::size_of::<BlockIQ4XS>() == 136);
 
-impl BlockIQ4XS {
-    /// The eight signed sub-block scales `ls − 32`.
+impl super::ScaledSuperBlock for BlockIQ4XS {
+    fn d(&self) -> f32 {
+        f16_to_f32(self.d)
+    }
+
+    /// `ls − 32` for each sub-block.
     #[inline(always)]
-    pub(crate) fn scales(&self) -> [i8; 8] {
+    fn scales(&self) -> [i32; 8] {
         core::array::from_fn(|j| {
             let low = (self.scales_l[j / 2] >> (4 * (j % 2))) & 0x0f;
             let high = ((self.scales_h >> (2 * j)) & 3) as u8;
-            (low | high << 4) as i8 - 32
+            i32::from(low | high << 4) - 32
         })
     }
 
-    /// The 256 levels in element order.
     #[inline(always)]
-    fn codes(&self) -> [i8; QK_K] {
+    fn levels(&self) -> [i8; QK_K] {
         let (qs, _) = self.qs.as_chunks::<16>();
         let mut q = [0i8; QK_K];
         for (q, qs) in q.as_chunks_mut::<32>().0.iter_mut().zip(qs) {
@@ -58,31 +61,12 @@ impl BlockIQ4XS {
 
 /// Writes `(d · scale) · GRID[q]` for every element.
 pub fn dequantize(blocks: &[BlockIQ4XS], out: &mut [f32]) {
-    let (out, rest) = out.as_chunks_mut::<QK_K>();
-    assert!(rest.is_empty() && out.len() == blocks.len());
-    for (b, o) in blocks.iter().zip(out) {
-        let d = f16_to_f32(b.d);
-        let q = b.codes();
-        let (o, _) = o.as_chunks_mut::<32>();
-        let (q, _) = q.as_chunks::<32>();
-        for (j, scale) in b.scales().into_iter().enumerate() {
-            let dl = d * scale as f32;
-            for l in 0..32 {
-                o[j][l] = dl * q[j][l] as f32;
-            }
-        }
-    }
+    super::dequantize_scaled(blocks, out)
 }
 
 /// Dot product with a Q8_K activation row.
 pub fn dot(x: &[BlockIQ4XS], y: &[BlockQ8K]) -> f32 {
-    assert_eq!(x.len(), y.len());
-    let mut acc = 0f32;
-    for (xb, yb) in x.iter().zip(y) {
-        let sumi = super::q4_k::scaled_sum_32(&xb.codes(), &yb.qs, &xb.scales());
-        acc += (f16_to_f32(xb.d) * yb.d) * sumi as f32;
-    }
-    acc
+    super::dot_scaled(x, y)
 }
 
 super::weight_entry_points!(BlockIQ4XS, BlockQ8K);

@@ -15,7 +15,7 @@
 //!   value from its exact `i32` sum (e.g. `sumi as f32 * (dx * dy)`), which is added
 //!   to lane `b % 8` of eight `f32` accumulators; the lanes are then folded by
 //!   [`reduce8`]. This is what an 8-lane vector accumulator does.
-//! * K-quants (and IQ4_XS): super-block `b` yields one `f32` value from its exact `i32` sums, and the
+//! * K-quants and the IQ super-blocks: super-block `b` yields one `f32` value from its exact `i32` sums, and the
 //!   values are added to one `f32` accumulator in block order.
 
 use bytemuck::Pod;
@@ -163,6 +163,50 @@ pub(crate) fn dot_offset<B: OffsetBlock32>(x: &[B], y: &[BlockQ8_1]) -> f32 {
         }
     }
     reduce8(acc)
+}
+
+/// A super-block of eight 32-element sub-blocks of signed levels, each sub-block with an
+/// integer scale, under one float scale (IQ4_XS), as its scalar
+/// dequantization and dot product see it: element value `(d · scaleⱼ) · q`, dot product
+/// `(d·dy) · Σⱼ scaleⱼ · Σ q·y` with the sums in `i32`. Each format's module says how it
+/// packs the levels and scales.
+pub(crate) trait ScaledSuperBlock {
+    /// The float scale `d`.
+    fn d(&self) -> f32;
+    /// The eight sub-block scales.
+    fn scales(&self) -> [i32; 8];
+    /// The 256 signed levels in element order.
+    fn levels(&self) -> [i8; QK_K];
+}
+
+/// Writes `(d · scaleⱼ) · q` for every element of scaled super-blocks.
+pub(crate) fn dequantize_scaled<B: ScaledSuperBlock>(blocks: &[B], out: &mut [f32]) {
+    let (out, rest) = out.as_chunks_mut::<QK_K>();
+    assert!(rest.is_empty() && out.len() == blocks.len());
+    for (b, o) in blocks.iter().zip(out) {
+        let d = b.d();
+        let q = b.levels();
+        let (o, _) = o.as_chunks_mut::<32>();
+        let (q, _) = q.as_chunks::<32>();
+        for (j, scale) in b.scales().into_iter().enumerate() {
+            let dl = d * scale as f32;
+            for l in 0..32 {
+                o[j][l] = dl * q[j][l] as f32;
+            }
+        }
+    }
+}
+
+/// Dot product of scaled super-blocks with a Q8_K activation row, one `f32` per
+/// super-block added in block order.
+pub(crate) fn dot_scaled<B: ScaledSuperBlock>(x: &[B], y: &[BlockQ8K]) -> f32 {
+    assert_eq!(x.len(), y.len());
+    let mut acc = 0f32;
+    for (xb, yb) in x.iter().zip(y) {
+        let sumi = q4_k::scaled_sum_32(&xb.levels(), &yb.qs, &xb.scales());
+        acc += (xb.d() * yb.d) * sumi as f32;
+    }
+    acc
 }
 
 /// Casts a byte slice to blocks, with a message naming the contract on failure.

@@ -16,8 +16,9 @@
 use core::arch::x86_64::*;
 use core::marker::PhantomData;
 
+use super::q4_k::activation_vectors;
 use super::tile::{transpose8x8, Tiles};
-use super::{load32, reduce8x8, IsaOps};
+use super::{hsum_i32, load32, reduce8x8, IsaOps};
 use crate::formats::{cast_blocks, BlockQ8K};
 
 /// Rows and tokens of a tile.
@@ -325,3 +326,79 @@ macro_rules! superblock_with_min {
     };
 }
 pub(crate) use superblock_with_min;
+
+/// A [`Prepared`] super-block of eight 32-element sub-blocks with one i32 scale each
+/// (sub-block `j` in lane `j` of `scales`), from its level bytes `q` biased by `offset`:
+/// the activation's `bsums` weighed by `−offset · scaleⱼ` (in both i16 halves of lane `j`,
+/// for `bsums[2j]` and `bsums[2j + 1]`) take the bias back out.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn prepared_scaled(q: [__m256i; 8], scales: __m256i, offset: i32) -> Prepared {
+    let weights = _mm256_mullo_epi32(scales, _mm256_set1_epi32(-offset));
+    let bsum_weights =
+        _mm256_or_si256(_mm256_and_si256(weights, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(weights, 16));
+    Prepared { q, scales: [scales; 2], bsum_weights }
+}
+
+/// The row kernel of the super-blocks [`prepared_scaled`] prepares: per super-block,
+/// `Σⱼ scaleⱼ · Σ q·y` less the bias's term, exact in `i32`, then `(dx·dy) · sumi`.
+///
+/// # Safety
+/// The CPU must support `I`; `x` and `y` have as many blocks.
+#[inline(always)]
+pub(crate) unsafe fn dot_scaled<I: IsaOps, K: SuperBlock>(x: &[K], y: &[BlockQ8K]) -> f32 {
+    // SAFETY: the caller guarantees the ISA.
+    unsafe {
+        let mut acc = 0f32;
+        for (xb, yb) in x.iter().zip(y) {
+            let p = xb.prepare::<I>();
+            let yv = activation_vectors(yb);
+            let mut v = [_mm256_setzero_si256(); 8];
+            for j in 0..8 {
+                v[j] = K::dp_prepared::<I>(_mm256_setzero_si256(), p.q[j], yv[j]);
+            }
+            let scaled = _mm256_mullo_epi32(reduce8x8(&v), p.scales[0]);
+            let sumi = hsum_i32(I::dp16(scaled, p.bsum_weights, load32(&yb.bsums)));
+            acc += (xb.d() * yb.d) * sumi as f32;
+        }
+        acc
+    }
+}
+
+/// `SuperBlock` for the super-blocks of eight 32-element sub-blocks of signed levels with
+/// an integer scale each (IQ4_XS): the invoking module's `levels::<I>`
+/// gives the level bytes as the dot takes them, `offset::<I>()` their bias and `scales`
+/// the scales in i32 lanes; the float scale is the format's
+/// [`ScaledSuperBlock::d`](crate::formats::ScaledSuperBlock::d). The dot is `I::dp`
+/// (levels biased to unsigned bytes that no pair of products can overflow an i16 with),
+/// or the named function.
+macro_rules! scaled_superblock {
+    ($block:ty $(, dp: $dp:ident)?) => {
+        impl SuperBlock for $block {
+            const WITH_MIN: bool = false;
+            const HALF_SCALES: bool = false;
+
+            #[inline(always)]
+            unsafe fn prepare<I: IsaOps>(&self) -> Prepared {
+                // SAFETY: the caller guarantees the ISA (which has AVX2).
+                unsafe { prepared_scaled(levels::<I>(self), scales(self), offset::<I>()) }
+            }
+            fn d(&self) -> f32 {
+                <Self as $crate::formats::ScaledSuperBlock>::d(self)
+            }
+            $(
+                #[inline(always)]
+                unsafe fn dp_prepared<I: IsaOps>(acc: __m256i, q: __m256i, y: __m256i) -> __m256i {
+                    // SAFETY: the caller guarantees the ISA.
+                    unsafe { $dp::<I>(acc, q, y) }
+                }
+            )?
+            #[inline(always)]
+            unsafe fn dot<I: IsaOps>(x: &[Self], y: &[BlockQ8K]) -> f32 {
+                // SAFETY: the caller guarantees the ISA.
+                unsafe { dot_scaled::<I, Self>(x, y) }
+            }
+        }
+    };
+}
+pub(crate) use scaled_superblock;
