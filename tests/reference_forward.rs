@@ -217,7 +217,7 @@ impl Writer {
         let fields: &[(usize, f64)] = match ty {
             WeightType::Q2_K => &[(80, 1.0), (82, 1.5)],
             WeightType::Q3_K => &[(108, 1.0)],
-            WeightType::IQ4_NL | WeightType::IQ4_XS => &[(0, 1.0)],
+            WeightType::IQ4_NL | WeightType::IQ4_XS | WeightType::IQ3_XXS | WeightType::IQ3_S => &[(0, 1.0)],
             _ => panic!("{ty:?}: no fields known"),
         };
         let set_scales = |bytes: &mut [u8], scale: f64| {
@@ -244,7 +244,9 @@ impl Writer {
             WeightType::Q2_K => TensorType::Q2_K,
             WeightType::Q3_K => TensorType::Q3_K,
             WeightType::IQ4_NL => TensorType::IQ4_NL,
-            _ => TensorType::IQ4_XS,
+            WeightType::IQ4_XS => TensorType::IQ4_XS,
+            WeightType::IQ3_XXS => TensorType::IQ3_XXS,
+            _ => TensorType::IQ3_S,
         };
         let builder = std::mem::take(&mut self.builder);
         self.builder = builder.add_tensor(name, vec![cols as u64, rows as u64], tensor_type, bytes.to_vec()).unwrap();
@@ -646,12 +648,18 @@ fn phi3_beyond_its_original_context_takes_longrope_long_factors() {
 fn llama_with_quantized_ffn_weights_matches_f64_reference() {
     // Rows of 256: one super-block across the model's width and the FFN's. With 8-bit
     // activations the logits are 1–2% off (the blocks have random scales: for Q2_K and
-    // Q3_K per 16 values, Q2_K with minimums; for IQ4_XS per 32; IQ4_NL's random indices
-    // into its non-linear grid): values far from Gaussian; with f32 activations they are
+    // Q3_K per 16 values, Q2_K with minimums; for the IQ super-blocks per 32; and random
+    // indices into the IQ grids): values far from Gaussian; with f32 activations they are
     // held to the 1e-3 of every other model here. (One test: the switch is the process's.)
-    for (ty, seed) in
-        [(WeightType::Q2_K, 9), (WeightType::Q3_K, 10), (WeightType::IQ4_NL, 15), (WeightType::IQ4_XS, 16)]
-    {
+    let types = [
+        (WeightType::Q2_K, 9),
+        (WeightType::Q3_K, 10),
+        (WeightType::IQ4_NL, 15),
+        (WeightType::IQ4_XS, 16),
+        (WeightType::IQ3_XXS, 17),
+        (WeightType::IQ3_S, 18),
+    ];
+    for (ty, seed) in types {
         for f32_activations in [false, true] {
             check(Spec { n_embd: 256, n_ff: 256, ffn_type: Some(ty), f32_activations, ..LLAMA }, seed);
         }

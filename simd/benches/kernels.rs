@@ -77,6 +77,8 @@ fn dot_rows(c: &mut Criterion) {
         ("BF16", WeightType::BF16, COLS),
         ("IQ4_NL", WeightType::IQ4_NL, COLS),
         ("IQ4_XS", WeightType::IQ4_XS, COLS),
+        ("IQ3_XXS", WeightType::IQ3_XXS, COLS),
+        ("IQ3_S", WeightType::IQ3_S, COLS),
     ];
     for (name, w, cols) in cases {
         let row_bytes = w.row_bytes(cols).expect("whole blocks");
@@ -114,6 +116,8 @@ fn dot_tile(c: &mut Criterion) {
         ("Q4_K", WeightType::Q4_K),
         ("IQ4_NL", WeightType::IQ4_NL),
         ("IQ4_XS", WeightType::IQ4_XS),
+        ("IQ3_XXS", WeightType::IQ3_XXS),
+        ("IQ3_S", WeightType::IQ3_S),
     ] {
         let weights = random_matrix(w, ROWS, COLS, &mut rng);
         let acts: Vec<u8> =

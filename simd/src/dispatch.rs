@@ -361,6 +361,8 @@ const SCALAR: Kernels = Kernels {
         scalar_entry!(q6_k),
         scalar_entry!(iq4_nl),
         scalar_entry!(iq4_xs),
+        scalar_entry!(iq3_xxs),
+        scalar_entry!(iq3_s),
     ],
     // Order of ActivationType::ALL.
     quantize: [

@@ -100,11 +100,17 @@ pub enum WeightType {
     IQ4_NL,
     /// 256-element super-blocks of 8×32: 6-bit scales, 4-bit indices into IQ4_NL's grid.
     IQ4_XS,
+    /// 256-element super-blocks of 8×32: 4-bit scales, 8-bit indices into a grid of
+    /// 4-level points, 7 bits of signs per 8 elements.
+    IQ3_XXS,
+    /// 256-element super-blocks of 8×32: 4-bit scales, 9-bit indices into a grid of
+    /// 4-level points, a sign bit per element.
+    IQ3_S,
 }
 
 impl WeightType {
     /// Every weight type, in a fixed order (the dispatch table's index order).
-    pub const ALL: [WeightType; 15] = [
+    pub const ALL: [WeightType; 17] = [
         WeightType::F32,
         WeightType::F16,
         WeightType::BF16,
@@ -120,6 +126,8 @@ impl WeightType {
         WeightType::Q6_K,
         WeightType::IQ4_NL,
         WeightType::IQ4_XS,
+        WeightType::IQ3_XXS,
+        WeightType::IQ3_S,
     ];
 
     /// The weight type for a GGML type id (`ggml_type`), if sift supports it.
@@ -144,6 +152,8 @@ impl WeightType {
             WeightType::Q6_K => 14,
             WeightType::IQ4_NL => 20,
             WeightType::IQ4_XS => 23,
+            WeightType::IQ3_XXS => 18,
+            WeightType::IQ3_S => 21,
             WeightType::BF16 => 30,
         }
     }
@@ -166,6 +176,8 @@ impl WeightType {
             WeightType::Q6_K => "Q6_K",
             WeightType::IQ4_NL => "IQ4_NL",
             WeightType::IQ4_XS => "IQ4_XS",
+            WeightType::IQ3_XXS => "IQ3_XXS",
+            WeightType::IQ3_S => "IQ3_S",
         }
     }
 
@@ -184,7 +196,9 @@ impl WeightType {
             | WeightType::Q4_K
             | WeightType::Q5_K
             | WeightType::Q6_K
-            | WeightType::IQ4_XS => 256,
+            | WeightType::IQ4_XS
+            | WeightType::IQ3_XXS
+            | WeightType::IQ3_S => 256,
         }
     }
 
@@ -207,6 +221,8 @@ impl WeightType {
             WeightType::Q6_K => size_of::<BlockQ6K>(),
             WeightType::IQ4_NL => size_of::<BlockIQ4NL>(),
             WeightType::IQ4_XS => size_of::<BlockIQ4XS>(),
+            WeightType::IQ3_XXS => size_of::<BlockIQ3XXS>(),
+            WeightType::IQ3_S => size_of::<BlockIQ3S>(),
         }
     }
 
@@ -231,7 +247,9 @@ impl WeightType {
             | WeightType::Q4_K
             | WeightType::Q5_K
             | WeightType::Q6_K
-            | WeightType::IQ4_XS => ActivationType::Q8_K,
+            | WeightType::IQ4_XS
+            | WeightType::IQ3_XXS
+            | WeightType::IQ3_S => ActivationType::Q8_K,
         }
     }
 

@@ -208,6 +208,8 @@ fn type_table_matches_ggml() {
         ("Q6_K", 14, 256, 210),
         ("IQ4_NL", 20, 32, 18),
         ("IQ4_XS", 23, 256, 136),
+        ("IQ3_XXS", 18, 256, 98),
+        ("IQ3_S", 21, 256, 110),
     ];
     assert_eq!(expect.len(), WeightType::ALL.len());
     for (w, (name, id, elems, bytes)) in WeightType::ALL.into_iter().zip(expect) {
@@ -222,7 +224,7 @@ fn type_table_matches_ggml() {
             assert_eq!(w.row_bytes(usize::MAX - usize::MAX % elems), None, "{name} overflow");
         }
     }
-    for id in [4, 5, 9, 15, 16, 19, 21, 22, 29, 31, 1000] {
+    for id in [4, 5, 9, 15, 16, 17, 19, 22, 29, 31, 1000] {
         assert_eq!(WeightType::from_ggml_id(id), None, "{id}");
     }
     for (a, elems, bytes) in [

@@ -23,6 +23,8 @@ use bytemuck::Pod;
 pub mod bfloat16;
 pub mod float16;
 pub mod float32;
+pub mod iq3_s;
+pub mod iq3_xxs;
 pub mod iq4_nl;
 pub mod iq4_xs;
 pub mod q2_k;
@@ -38,6 +40,8 @@ pub mod q8_0;
 pub mod q8_1;
 pub mod q8_k;
 
+pub use iq3_s::BlockIQ3S;
+pub use iq3_xxs::BlockIQ3XXS;
 pub use iq4_nl::BlockIQ4NL;
 pub use iq4_xs::BlockIQ4XS;
 pub use q2_k::BlockQ2K;
@@ -166,7 +170,7 @@ pub(crate) fn dot_offset<B: OffsetBlock32>(x: &[B], y: &[BlockQ8_1]) -> f32 {
 }
 
 /// A super-block of eight 32-element sub-blocks of signed levels, each sub-block with an
-/// integer scale, under one float scale (IQ4_XS), as its scalar
+/// integer scale, under one float scale (IQ4_XS, IQ3_XXS, IQ3_S), as its scalar
 /// dequantization and dot product see it: element value `(d · scaleⱼ) · q`, dot product
 /// `(d·dy) · Σⱼ scaleⱼ · Σ q·y` with the sums in `i32`. Each format's module says how it
 /// packs the levels and scales.

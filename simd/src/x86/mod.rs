@@ -14,7 +14,7 @@
 //! Each format also has *tile* kernels for products of many rows with many tokens
 //! ([`tile`]): they pack each activation block once for all rows and unpack each weight
 //! block once for a tile of tokens. The 32-element formats share theirs in
-//! `block32.rs`, the K-quants and IQ4_XS in `superblock.rs`.
+//! `block32.rs`, the K-quants and the IQ super-blocks in `superblock.rs`.
 //!
 //! The generic helpers (which have no target features of their own) contain no closures
 //! that call intrinsics: such a closure is compiled as a function of its own, without
@@ -43,6 +43,8 @@ use crate::{ActivationType, Isa, WeightType};
 mod attention;
 mod block32;
 mod float;
+mod iq3_s;
+mod iq3_xxs;
 mod iq4_nl;
 mod iq4_xs;
 mod q2_k;
@@ -389,7 +391,7 @@ pub(crate) unsafe fn register(k: &mut Kernels, isa: Isa) {
         Isa::Avx2 => {
             set!(avx2: Q8_0 => q8_0, Q4_0 => q4_0, Q5_0 => q5_0, Q4_1 => q4_1, Q5_1 => q5_1,
                  Q2_K => q2_k, Q3_K => q3_k, Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k,
-                 IQ4_NL => iq4_nl, IQ4_XS => iq4_xs);
+                 IQ4_NL => iq4_nl, IQ4_XS => iq4_xs, IQ3_XXS => iq3_xxs, IQ3_S => iq3_s);
             float::register_avx2(k);
             k.set_attention(attention::AVX2);
             k.set_sketch(sketch::AVX2);
@@ -397,7 +399,7 @@ pub(crate) unsafe fn register(k: &mut Kernels, isa: Isa) {
         Isa::AvxVnni => {
             set!(avxvnni: Q8_0 => q8_0, Q4_0 => q4_0, Q5_0 => q5_0, Q4_1 => q4_1, Q5_1 => q5_1,
                  Q2_K => q2_k, Q3_K => q3_k, Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k,
-                 IQ4_NL => iq4_nl, IQ4_XS => iq4_xs);
+                 IQ4_NL => iq4_nl, IQ4_XS => iq4_xs, IQ3_XXS => iq3_xxs, IQ3_S => iq3_s);
             float::register_avx2(k);
             k.set_attention(attention::AVX2);
             k.set_sketch(sketch::AVXVNNI);
@@ -405,7 +407,7 @@ pub(crate) unsafe fn register(k: &mut Kernels, isa: Isa) {
         Isa::Avx512 => {
             set!(avx512: Q8_0 => q8_0, Q4_0 => q4_0, Q5_0 => q5_0, Q4_1 => q4_1, Q5_1 => q5_1,
                  Q2_K => q2_k, Q3_K => q3_k, Q4_K => q4_k, Q5_K => q5_k, Q6_K => q6_k,
-                 IQ4_NL => iq4_nl, IQ4_XS => iq4_xs);
+                 IQ4_NL => iq4_nl, IQ4_XS => iq4_xs, IQ3_XXS => iq3_xxs, IQ3_S => iq3_s);
             float::register_avx512(k);
             k.set_attention(attention::AVX512);
             k.set_sketch(sketch::AVX512);

@@ -1,4 +1,5 @@
-//! The shared tile skeleton of the K-quants (Q2_K to Q6_K) and IQ4_XS × Q8_K.
+//! The shared tile skeleton of the K-quants (Q2_K to Q6_K) and the IQ super-blocks
+//! (IQ4_XS, IQ3_XXS, IQ3_S) × Q8_K.
 //!
 //! Per super-block, `dot` computes exact i32 sums — the scaled sum `Σ sc·Σ q·y` (Q6_K's
 //! including its `−32 · Σ sc·bsum` offset) and, for Q4_K and Q5_K, the minimum term
@@ -366,7 +367,7 @@ pub(crate) unsafe fn dot_scaled<I: IsaOps, K: SuperBlock>(x: &[K], y: &[BlockQ8K
 }
 
 /// `SuperBlock` for the super-blocks of eight 32-element sub-blocks of signed levels with
-/// an integer scale each (IQ4_XS): the invoking module's `levels::<I>`
+/// an integer scale each (IQ4_XS, IQ3_XXS, IQ3_S): the invoking module's `levels::<I>`
 /// gives the level bytes as the dot takes them, `offset::<I>()` their bias and `scales`
 /// the scales in i32 lanes; the float scale is the format's
 /// [`ScaledSuperBlock::d`](crate::formats::ScaledSuperBlock::d). The dot is `I::dp`

@@ -69,7 +69,13 @@ impl std::ops::DerefMut for Aligned {
 /// Byte offsets of the f16 scale fields in a block of `w`.
 pub fn f16_fields(w: WeightType) -> &'static [usize] {
     match w {
-        WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 | WeightType::IQ4_NL | WeightType::IQ4_XS => &[0],
+        WeightType::Q4_0
+        | WeightType::Q5_0
+        | WeightType::Q8_0
+        | WeightType::IQ4_NL
+        | WeightType::IQ4_XS
+        | WeightType::IQ3_XXS
+        | WeightType::IQ3_S => &[0],
         WeightType::Q4_1 | WeightType::Q5_1 | WeightType::Q4_K | WeightType::Q5_K => &[0, 2],
         WeightType::Q2_K => &[80, 82],
         WeightType::Q3_K => &[108],

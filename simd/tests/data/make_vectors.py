@@ -29,7 +29,7 @@ N = 1536  # elements per file: 48 blocks of 32, 6 super-blocks of 256
 WEIGHTS = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 QUANTIZABLE = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 # Formats added later, drawn after all the others so that the earlier files stay as they were.
-LATER_WEIGHTS = ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"]
+LATER_WEIGHTS = ["Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ3_XXS", "IQ3_S"]
 
 # Byte offsets of the f16 scale fields inside each block (the rest is random bits).
 F16_FIELDS = {
@@ -45,6 +45,8 @@ F16_FIELDS = {
     "Q3_K": [108],
     "IQ4_NL": [0],
     "IQ4_XS": [0],
+    "IQ3_XXS": [0],
+    "IQ3_S": [0],
 }
 
 

@@ -1,0 +1,49 @@
+//! IQ3_S × Q8_K: as IQ3_XXS (its biased levels and bias), with 9-bit grid indices, a
+//! stored sign bit per element and 4-bit scales (see `scaled_superblock!`).
+
+use core::arch::x86_64::*;
+
+use super::iq3_xxs::{biased_levels, offset};
+use super::superblock::{dot_scaled, prepared_scaled, scaled_superblock, Prepared, SuperBlock};
+use super::IsaOps;
+use crate::formats::iq3_s::GRID;
+use crate::formats::{BlockIQ3S, BlockQ8K};
+
+/// The 256 biased levels, sub-block `j` in vector `j`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn levels_avx2(x: &BlockIQ3S) -> [__m256i; 8] {
+    let (signs, _) = x.signs.as_chunks::<4>();
+    let mut q = [_mm256_setzero_si256(); 8];
+    for j in 0..8 {
+        let points = core::array::from_fn(|i| GRID[x.index(j, i)]);
+        q[j] = biased_levels(points, signs[j]);
+    }
+    q
+}
+
+/// [`levels_avx2`], for `scaled_superblock!`.
+///
+/// # Safety
+/// The CPU must support `I`.
+#[inline(always)]
+unsafe fn levels<I: IsaOps>(x: &BlockIQ3S) -> [__m256i; 8] {
+    // SAFETY: the caller guarantees the ISA (which has AVX2).
+    unsafe { levels_avx2(x) }
+}
+
+/// The scales `2s + 1`, `s` at bit `4j` of the scale bytes read as a little-endian u32.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn scales(x: &BlockIQ3S) -> __m256i {
+    let nibbles = _mm256_srlv_epi32(
+        _mm256_set1_epi32(i32::from_le_bytes(x.scales)),
+        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+    );
+    let s = _mm256_and_si256(nibbles, _mm256_set1_epi32(0x0f));
+    _mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1))
+}
+
+scaled_superblock!(BlockIQ3S);
+
+super::x86_entries!(superblock, BlockIQ3S, BlockQ8K);
