@@ -240,16 +240,10 @@ impl WeightType {
     pub fn activation(self) -> ActivationType {
         match self {
             WeightType::F32 | WeightType::F16 | WeightType::BF16 => ActivationType::F32,
-            WeightType::Q4_0 | WeightType::Q5_0 | WeightType::Q8_0 | WeightType::IQ4_NL => ActivationType::Q8_0,
             WeightType::Q4_1 | WeightType::Q5_1 => ActivationType::Q8_1,
-            WeightType::Q2_K
-            | WeightType::Q3_K
-            | WeightType::Q4_K
-            | WeightType::Q5_K
-            | WeightType::Q6_K
-            | WeightType::IQ4_XS
-            | WeightType::IQ3_XXS
-            | WeightType::IQ3_S => ActivationType::Q8_K,
+            // The super-block formats.
+            _ if self.block_elems() == formats::QK_K => ActivationType::Q8_K,
+            _ => ActivationType::Q8_0,
         }
     }
 

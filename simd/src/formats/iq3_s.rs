@@ -15,6 +15,7 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
+use super::iq3_xxs::signed_levels;
 use super::{f16_to_f32, BlockQ8K, QK_K};
 
 /// One IQ3_S super-block.
@@ -54,15 +55,10 @@ impl super::ScaledSuperBlock for BlockIQ3S {
 
     #[inline(always)]
     fn levels(&self) -> [i8; QK_K] {
+        let (signs, _) = self.signs.as_chunks::<4>();
         let mut q = [0i8; QK_K];
         for (j, q) in q.as_chunks_mut::<32>().0.iter_mut().enumerate() {
-            let signs = u32::from_le_bytes(self.signs[4 * j..4 * j + 4].try_into().unwrap());
-            for i in 0..8 {
-                for (b, level) in GRID[self.index(j, i)].to_le_bytes().into_iter().enumerate() {
-                    let e = 4 * i + b;
-                    q[e] = if signs >> e & 1 == 1 { -(level as i8) } else { level as i8 };
-                }
-            }
+            *q = signed_levels(core::array::from_fn(|i| GRID[self.index(j, i)]), u32::from_le_bytes(signs[j]));
         }
         q
     }

@@ -52,6 +52,21 @@ impl BlockIQ3XXS {
     }
 }
 
+/// The 32 levels of eight grid points (four a point, in the bytes of its word) with their
+/// signs (bit `e` of `signs` set where element `e` is negative): a sub-block of IQ3_XXS
+/// or IQ3_S.
+#[inline(always)]
+pub(crate) fn signed_levels(points: [u32; 8], signs: u32) -> [i8; 32] {
+    let mut q = [0i8; 32];
+    for (i, point) in points.into_iter().enumerate() {
+        for (b, level) in point.to_le_bytes().into_iter().enumerate() {
+            let e = 4 * i + b;
+            q[e] = if signs >> e & 1 == 1 { -(level as i8) } else { level as i8 };
+        }
+    }
+    q
+}
+
 impl super::ScaledSuperBlock for BlockIQ3XXS {
     /// `d / 4` (exact), so that the scales are the odd integers `2s + 1`.
     fn d(&self) -> f32 {
@@ -67,13 +82,7 @@ impl super::ScaledSuperBlock for BlockIQ3XXS {
     fn levels(&self) -> [i8; QK_K] {
         let mut q = [0i8; QK_K];
         for (j, q) in q.as_chunks_mut::<32>().0.iter_mut().enumerate() {
-            let signs = self.signs(j);
-            for (i, &index) in self.qs[8 * j..8 * j + 8].iter().enumerate() {
-                for (b, level) in GRID[index as usize].to_le_bytes().into_iter().enumerate() {
-                    let e = 4 * i + b;
-                    q[e] = if signs >> e & 1 == 1 { -(level as i8) } else { level as i8 };
-                }
-            }
+            *q = signed_levels(core::array::from_fn(|i| GRID[self.qs[8 * j + i] as usize]), self.signs(j));
         }
         q
     }

@@ -10,26 +10,20 @@ use crate::formats::iq3_s::GRID;
 use crate::formats::{BlockIQ3S, BlockQ8K};
 
 /// The 256 biased levels, sub-block `j` in vector `j`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn levels_avx2(x: &BlockIQ3S) -> [__m256i; 8] {
-    let (signs, _) = x.signs.as_chunks::<4>();
-    let mut q = [_mm256_setzero_si256(); 8];
-    for j in 0..8 {
-        let points = core::array::from_fn(|i| GRID[x.index(j, i)]);
-        q[j] = biased_levels(points, signs[j]);
-    }
-    q
-}
-
-/// [`levels_avx2`], for `scaled_superblock!`.
 ///
 /// # Safety
 /// The CPU must support `I`.
 #[inline(always)]
 unsafe fn levels<I: IsaOps>(x: &BlockIQ3S) -> [__m256i; 8] {
+    let (signs, _) = x.signs.as_chunks::<4>();
     // SAFETY: the caller guarantees the ISA (which has AVX2).
-    unsafe { levels_avx2(x) }
+    unsafe {
+        let mut q = [_mm256_setzero_si256(); 8];
+        for j in 0..8 {
+            q[j] = biased_levels(core::array::from_fn(|i| GRID[x.index(j, i)]), signs[j]);
+        }
+        q
+    }
 }
 
 /// The scales `2s + 1`, `s` at bit `4j` of the scale bytes read as a little-endian u32.

@@ -33,25 +33,20 @@ pub(crate) fn biased_levels(points: [u32; 8], signs: [u8; 4]) -> __m256i {
 }
 
 /// The 256 biased levels, sub-block `j` in vector `j`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-fn levels_avx2(x: &BlockIQ3XXS) -> [__m256i; 8] {
-    let mut q = [_mm256_setzero_si256(); 8];
-    for j in 0..8 {
-        let points = core::array::from_fn(|i| GRID[x.qs[8 * j + i] as usize]);
-        q[j] = biased_levels(points, x.signs(j).to_le_bytes());
-    }
-    q
-}
-
-/// [`levels_avx2`], for `scaled_superblock!`.
 ///
 /// # Safety
 /// The CPU must support `I`.
 #[inline(always)]
 unsafe fn levels<I: IsaOps>(x: &BlockIQ3XXS) -> [__m256i; 8] {
     // SAFETY: the caller guarantees the ISA (which has AVX2).
-    unsafe { levels_avx2(x) }
+    unsafe {
+        let mut q = [_mm256_setzero_si256(); 8];
+        for j in 0..8 {
+            let points = core::array::from_fn(|i| GRID[x.qs[8 * j + i] as usize]);
+            q[j] = biased_levels(points, x.signs(j).to_le_bytes());
+        }
+        q
+    }
 }
 
 /// The scales `2s + 1`, `s` in the top 4 bits of each sub-block's word.
