@@ -15,8 +15,8 @@
 //!   value from its exact `i32` sum (e.g. `sumi as f32 * (dx * dy)`), which is added
 //!   to lane `b % 8` of eight `f32` accumulators; the lanes are then folded by
 //!   [`reduce8`]. This is what an 8-lane vector accumulator does.
-//! * K-quants and the IQ super-blocks: super-block `b` yields one `f32` value from its exact `i32` sums, and the
-//!   values are added to one `f32` accumulator in block order.
+//! * K-quants and the IQ super-blocks: super-block `b` yields one `f32` value from its
+//!   exact `i32` sums, and the values are added to one `f32` accumulator in block order.
 
 use bytemuck::Pod;
 
