@@ -5,7 +5,7 @@ use core::arch::x86_64::*;
 
 use super::iq3_xxs::{biased_levels, offset};
 use super::superblock::{dot_scaled, prepared_scaled, scaled_superblock, Prepared, SuperBlock};
-use super::IsaOps;
+use super::{nibbles8, IsaOps};
 use crate::formats::iq3_s::GRID;
 use crate::formats::{BlockIQ3S, BlockQ8K};
 
@@ -26,16 +26,11 @@ unsafe fn levels<I: IsaOps>(x: &BlockIQ3S) -> [__m256i; 8] {
     }
 }
 
-/// The scales `2s + 1`, `s` at bit `4j` of the scale bytes read as a little-endian u32.
+/// The scales `2s + 1`, `s` nibble `j` of the scale bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn scales(x: &BlockIQ3S) -> __m256i {
-    let nibbles = _mm256_srlv_epi32(
-        _mm256_set1_epi32(i32::from_le_bytes(x.scales)),
-        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
-    );
-    let s = _mm256_and_si256(nibbles, _mm256_set1_epi32(0x0f));
-    _mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1))
+    _mm256_add_epi32(_mm256_slli_epi32(nibbles8(x.scales), 1), _mm256_set1_epi32(1))
 }
 
 scaled_superblock!(BlockIQ3S);

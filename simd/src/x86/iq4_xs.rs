@@ -6,7 +6,7 @@ use core::arch::x86_64::*;
 
 use super::iq4_nl::levels32;
 use super::superblock::{dot_scaled, prepared_scaled, scaled_superblock, Prepared, SuperBlock};
-use super::{signed_bytes, signed_dp, signed_offset, IsaOps};
+use super::{nibbles8, signed_bytes, signed_dp, signed_offset, IsaOps};
 use crate::formats::{BlockIQ4XS, BlockQ8K};
 
 /// The 256 levels, sub-block `j` in vector `j`, as [`signed_bytes`].
@@ -32,22 +32,14 @@ fn offset<I: IsaOps>() -> i32 {
     i32::from(signed_offset::<I>())
 }
 
-/// The eight signed scales `ls − 32`, sub-block `j` in i32 lane `j`: its low 4 bits sit
-/// at bit `4j` of `scales_l` (read as a little-endian u32), its high 2 at bit `2j` of
-/// `scales_h`.
+/// The eight signed scales `ls − 32`, sub-block `j` in i32 lane `j`: its low 4 bits are
+/// nibble `j` of `scales_l`, its high 2 sit at bit `2j` of `scales_h`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn scales(x: &BlockIQ4XS) -> __m256i {
-    let low = _mm256_srlv_epi32(
-        _mm256_set1_epi32(i32::from_le_bytes(x.scales_l)),
-        _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
-    );
     let high =
         _mm256_srlv_epi32(_mm256_set1_epi32(i32::from(x.scales_h)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
-    let ls = _mm256_or_si256(
-        _mm256_and_si256(low, _mm256_set1_epi32(0x0f)),
-        _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(3)), 4),
-    );
+    let ls = _mm256_or_si256(nibbles8(x.scales_l), _mm256_slli_epi32(_mm256_and_si256(high, _mm256_set1_epi32(3)), 4));
     _mm256_sub_epi32(ls, _mm256_set1_epi32(32))
 }
 

@@ -280,6 +280,15 @@ pub(crate) unsafe fn signed_dp<I: IsaOps>(acc: __m256i, p: __m256i, y: __m256i) 
     }
 }
 
+/// The eight nibbles of a little-endian u32, nibble `j` (bits `4j..4j + 4`) in i32 lane `j`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn nibbles8(word: [u8; 4]) -> __m256i {
+    let shifted =
+        _mm256_srlv_epi32(_mm256_set1_epi32(i32::from_le_bytes(word)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    _mm256_and_si256(shifted, _mm256_set1_epi32(0x0f))
+}
+
 /// Splits 16 packed bytes into 32 nibbles: low nibbles in bytes 0–15, high nibbles in
 /// bytes 16–31 (the Q4_0/Q4_1/Q5_0/Q5_1 element order).
 #[target_feature(enable = "avx2,fma,f16c")]
